@@ -1,0 +1,107 @@
+"""GRPO maths: group-relative advantages and the clipped policy loss with a k3 KL penalty.
+
+Pure functions on tensors (DESIGN.md sections 6 and 9); no config, no logging, no process group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+REWARD_SCALINGS = ("group", "batch", "none")
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-4
+) -> torch.Tensor:
+    """Group-relative advantages (Shao et al. 2024, DeepSeekMath).
+
+    rewards [N] ordered group by group (N = num_groups * group_size) -> advantages [N]:
+      group: A_i = (r_i - mean_g(r)) / (std_g(r) + eps)      (the GRPO paper)
+      batch: A_i = (r_i - mean_g(r)) / (std_batch(r) + eps)  (group centring, batch scale)
+      none:  A_i =  r_i - mean_g(r)                          (Dr. GRPO: no std division)
+    std is the unbiased (n - 1) standard deviation, as torch.std; a group whose rewards are
+    all equal gets advantage 0 for every member whatever the scaling.
+    """
+    if scale not in REWARD_SCALINGS:
+        raise ValueError(f"scale must be one of {REWARD_SCALINGS}, got {scale!r}")
+    if rewards.ndim != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be [num_groups * {group_size}], got shape {tuple(rewards.shape)}")
+    grouped = rewards.float().view(-1, group_size)  # [G, n]
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        centred = centred / (rewards.float().std() + eps)
+    return centred.reshape(-1)
+
+
+def grpo_loss(
+    trainer_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    kl_coef: float = 0.04,
+    loss_agg: str = "seq-mean-token-mean",
+    normalizer: float | None = None,
+    max_completion_length: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate minus a k3 KL penalty, aggregated as `loss_agg`; returns (loss, stats).
+
+    Shapes: log-probs and completion_mask [B, T] over completion tokens, advantages [B].
+      ratio_t = exp(logp_new - logp_old)
+      obj_t   = min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A) - kl_coef * KL_t
+      KL_t    = exp(logp_ref - logp_new) - (logp_ref - logp_new) - 1        (Schulman's k3, >= 0)
+    Aggregations of -obj_t (m = completion_mask):
+      seq-mean-token-mean      sum_i [sum_t m obj / sum_t m] / normalizer   (normalizer = #sequences)
+      token-mean               sum_{i,t} m obj / normalizer                  (normalizer = #tokens; DAPO)
+      seq-mean-token-sum-norm  sum_{i,t} m obj / (normalizer * L)            (Dr. GRPO; L = max_completion_length)
+    `normalizer` defaults to this batch's own count; pass the count of the whole optimizer
+    batch (all micro-batches, all ranks) so that gradient accumulation and world size do not
+    change the update. `ref_logprobs` may be None when kl_coef == 0.
+    The stats are token-weighted means over this batch plus `num_tokens` to combine them.
+    """
+    if loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {loss_agg!r}")
+    if kl_coef != 0 and ref_logprobs is None:
+        raise ValueError("ref_logprobs is required when kl_coef != 0")
+    mask = completion_mask.to(trainer_logprobs.dtype)
+    adv = advantages.to(trainer_logprobs.dtype).unsqueeze(1)  # [B, 1]
+
+    log_ratio = trainer_logprobs - sampler_logprobs
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    objective = torch.minimum(ratio * adv, clipped * adv)
+    if kl_coef != 0:
+        ref_diff = ref_logprobs - trainer_logprobs
+        kl = torch.exp(ref_diff) - ref_diff - 1.0
+        objective = objective - kl_coef * kl
+    else:
+        kl = torch.zeros_like(trainer_logprobs)
+
+    per_token = -objective * mask
+    if loss_agg == "seq-mean-token-mean":
+        per_seq = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+        loss = per_seq.sum() / (normalizer if normalizer is not None else mask.shape[0])
+    elif loss_agg == "token-mean":
+        loss = per_token.sum() / (normalizer if normalizer is not None else mask.sum().clamp(min=1.0))
+    else:
+        length = max_completion_length if max_completion_length is not None else mask.shape[1]
+        loss = per_token.sum() / ((normalizer if normalizer is not None else mask.shape[0]) * length)
+
+    with torch.no_grad():
+        num_tokens = mask.sum()
+        denom = num_tokens.clamp(min=1.0)
+        is_clipped = ((ratio < 1.0 - clip_eps_low) & (adv < 0)) | ((ratio > 1.0 + clip_eps_high) & (adv > 0))
+        stats = {
+            "kl": float((kl * mask).sum() / denom),
+            "clip_fraction": float((is_clipped.to(mask.dtype) * mask).sum() / denom),
+            "ratio_mean": float((ratio * mask).sum() / denom),
+            "ratio_abs_dev": float(((ratio - 1.0).abs() * mask).sum() / denom),
+            "num_tokens": float(num_tokens),
+        }
+    return loss, stats

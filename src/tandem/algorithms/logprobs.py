@@ -1,0 +1,87 @@
+"""Log-probabilities of chosen tokens without materialising a [N, vocab] log-softmax.
+
+The output projection and the log-softmax are fused and chunked: the forward keeps only the
+per-token log-sum-exp, the backward recomputes each chunk's logits (like a fused linear
+cross-entropy), so peak memory is chunk_size x vocab instead of num_tokens x vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T / temperature)[target], computed chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int):
+        num_tokens = hidden.shape[0]
+        out = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            _chunked_forward(hidden, weight, targets, temperature, chunk_size, out, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _chunked_backward(ctx, grad_out)
+
+
+def _chunked_forward(hidden, weight, targets, temperature, chunk_size, out, lse) -> None:
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = min(start + chunk_size, hidden.shape[0])
+        # logits in the weight's dtype (fp32 by default): a bf16 logit of 20 is off by ~0.04,
+        # which would show up directly in the importance ratio
+        logits = (hidden[start:end] @ weight.t()).float() / temperature  # [n, V]
+        lse[start:end] = torch.logsumexp(logits, dim=-1)
+        out[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1) - lse[start:end]
+
+
+def _chunked_backward(ctx, grad_out):
+    hidden, weight, targets, lse = ctx.saved_tensors
+    need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+    for start in range(0, hidden.shape[0], ctx.chunk_size):
+        end = min(start + ctx.chunk_size, hidden.shape[0])
+        h = hidden[start:end]
+        logits = (h @ weight.t()).float() / ctx.temperature
+        # d log p[target] / d logits = onehot(target) - softmax(logits)
+        g = torch.exp(logits - lse[start:end, None]).mul_(-grad_out[start:end, None])
+        g.scatter_add_(1, targets[start:end, None], grad_out[start:end, None].float())
+        g = g.div_(ctx.temperature).to(hidden.dtype)
+        if need_hidden:
+            grad_hidden[start:end] = g @ weight
+        if need_weight:
+            grad_weight.add_((g.t() @ h).float())
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    return grad_hidden, grad_weight, None, None, None
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """log softmax(hidden @ weight.T / temperature) at `targets`.
+
+    hidden [N, H], weight [V, H] (the output embedding), targets [N] -> [N] float32.
+    Differentiable in hidden and weight; never holds more than chunk_size x V logits.
+    """
+    if hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+    return _LinearTokenLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk_size))
+
+
+def logits_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The straightforward reference: log_softmax(logits / T) gathered at targets. [..., V] -> [...]."""
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,447 @@
+"""The config tree: typed dataclasses, YAML loading with dotted `key=value` overrides, validation, dump.
+
+`load_config("configs/grpo.yaml", ["training.learning_rate=1e-5"])` returns a validated `Config`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a careful math solver. First reason step by step inside <think> </think>. "
+    "Then write only the final number inside <answer> </answer>, with nothing after it. "
+    "Use exactly this format: <think> reasoning </think><answer> number </answer>"
+)
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+REWARD_TYPES = ("answer", "format", "format_partial", "function")
+SCALE_REWARDS = ("group", "batch", "none")
+LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+LR_SCHEDULERS = ("constant", "cosine", "linear")
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
+REPORTERS = ("tensorboard", "wandb")
+DISTRIBUTED_STRATEGIES = ("none",)  # ddp | deepspeed | auto join when distributed/ lands
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config; the message names the dotted key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    policy: str = "embedded"  # "embedded" | HF folder | hub id | path/to/model.gguf
+    reference: str | None = None  # None = a frozen copy of the policy's initial weights
+    tokenizer: str | None = None  # None = the policy's
+    dtype: str = "float32"  # master weights: float32 | bfloat16 | float16
+    trust_remote_code: bool = False
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "synthetic"  # "synthetic" | "gsm8k" (openai/gsm8k) | path to .jsonl/.parquet
+    split: str = "train"
+    num_examples: int = 2000  # synthetic: how many to generate; files: cap (0 = all)
+    eval_dataset: str | None = None  # same forms as dataset; None = held-out synthetic / gsm8k test
+    num_eval_examples: int = 200
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    num_shots: int = 1  # worked examples shown before the question, as chat turns
+    prefill: str = "<think>"  # text the assistant turn starts with (part of the response)
+    shuffle: bool = True
+
+
+@dataclass
+class RewardSpec:
+    type: str  # answer | format | format_partial | function
+    weight: float = 1.0
+    function: str | None = None  # "package.module:function" when type == "function"
+    name: str | None = None  # key in reward_info; default = type (or the function's name)
+
+    @property
+    def resolved_name(self) -> str:
+        """The key this reward gets in reward_info: `name`, else the function's name, else `type`."""
+        if self.name:
+            return self.name
+        if self.type == "function" and self.function:
+            return self.function.rpartition(":")[2]
+        return self.type
+
+
+@dataclass
+class SamplingConfig:
+    num_generations: int = 4  # G completions per prompt (group size)
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    dtype: str = "bfloat16"  # rollout copy of the policy: float32 | bfloat16 | float16
+    batch_size: int = 32  # sequences per generation call
+
+
+@dataclass
+class GRPOConfig:
+    prompts_per_step: int = 8
+    scale_rewards: str = "group"  # group | batch | none
+    loss_agg: str = "seq-mean-token-mean"  # | token-mean | seq-mean-token-sum-norm
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.04
+    num_iterations: int = 1  # optimizer passes over each step's batch
+    adv_eps: float = 1e-4  # added to the std when scaling rewards
+    skip_zero_variance_groups: bool = False
+
+
+@dataclass
+class TrainingConfig:
+    max_steps: int = 200
+    learning_rate: float = 1e-6
+    lr_scheduler: str = "constant"  # constant | cosine | linear
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine/linear floor as a fraction of learning_rate
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    adam_eps: float = 1e-8
+    micro_batch_size: int = 8
+    gradient_accumulation_steps: int = 4
+    mixed_precision: str = "no"  # no | bf16 | fp16
+    max_grad_norm: float = 1.0  # 0 = no clipping
+    gradient_checkpointing: bool = False
+    save_steps: int = 50  # 0 = only the final save
+    save_total_limit: int = 2  # 0 = keep all
+    logging_steps: int = 1
+    sample_log_steps: int = 10  # write completions to samples/ every N steps (0 = never)
+    report_to: list[str] = field(default_factory=list)  # subset of {"tensorboard", "wandb"}
+    resume_from_checkpoint: str | None = None  # "latest" | path to checkpoints/step-N
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    num_threads: int = 0  # torch CPU threads, 0 = torch default
+    distributed_strategy: str = "none"  # none for now (ddp | deepspeed | auto later)
+
+
+@dataclass
+class Config:
+    experiment_name: str = "grpo"
+    output_dir: str = "runs"  # the run folder is output_dir/experiment_name
+    seed: int = 42
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("answer"), RewardSpec("format")])
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.experiment_name
+
+
+# ---------------------------------------------------------------- dict -> dataclasses
+
+T = TypeVar("T")
+
+
+def config_from_dict(d: dict[str, Any], cls: type[T] = Config) -> T:  # type: ignore[assignment]
+    """Build `cls` from a nested dict, checking every key and type against the dataclass hints."""
+    return _from_dict(d, cls, "")
+
+
+def _from_dict(d: Any, cls: type[T], prefix: str) -> T:
+    if not isinstance(d, dict):
+        where = f"`{prefix}`" if prefix else "the config"
+        raise ConfigError(f"{where} must be a mapping of keys to values, got {d!r} ({type(d).__name__})")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in d.items():
+        if key not in fields:
+            raise ConfigError(_unknown_key_message(str(key), cls, prefix))
+        kwargs[key] = _convert(value, hints[key], _join(prefix, key))
+    for f in fields.values():
+        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if no_default and f.name not in kwargs:
+            raise ConfigError(
+                f"`{_join(prefix, f.name)}` is required; add it (expects {_type_name(hints[f.name])})"
+            )
+    return cls(**kwargs)
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _unknown_key_message(key: str, cls: type, prefix: str) -> str:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key, names, n=1)
+    if not close:  # a key one section too high, e.g. `learning_rate` for `training.learning_rate`
+        for f in dataclasses.fields(cls):
+            sub = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(sub):
+                match = difflib.get_close_matches(key, [g.name for g in dataclasses.fields(sub)], n=1)
+                if match:
+                    close = [f"{f.name}.{match[0]}"]
+                    break
+    hint = f"did you mean `{_join(prefix, close[0])}`?" if close else f"valid keys here: {', '.join(names)}"
+    return f"unknown config key `{_join(prefix, key)}`; {hint}"
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(value, inner, key)
+    if origin is list:
+        if not isinstance(value, list):
+            hint = f"write it as a list, e.g. [{value}]" if isinstance(value, (str, int, float)) else ""
+            raise _type_error(key, tp, value, hint)
+        return [_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _from_dict(value, tp, key)
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp is str and isinstance(value, str):
+        return value
+    assert tp in (bool, int, float, str), f"config field `{key}` has an unsupported type {tp}"
+    hint = "quote the value so YAML reads it as a string" if tp is str and value is not None else ""
+    raise _type_error(key, tp, value, hint)
+
+
+def _type_error(key: str, tp: Any, value: Any, hint: str = "") -> ConfigError:
+    fix = f"; {hint}" if hint else ""
+    return ConfigError(
+        f"config key `{key}` expects {_type_name(tp)}, got {value!r} ({type(value).__name__}){fix}"
+    )
+
+
+def _type_name(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
+    if typing.get_origin(tp) is list:
+        return f"a list of ({_type_name(args[0])})"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
+    return {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}[tp]
+
+
+# ---------------------------------------------------------------- overrides, load, dump
+
+
+def apply_overrides(d: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of `d` with dotted `key=value` pairs set; values are parsed as YAML."""
+    out = copy.deepcopy(d) if d else {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(
+                f"override {item!r} must have the form key=value, e.g. training.learning_rate=1e-5"
+            )
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override `{key}`: cannot parse {raw!r} as YAML ({e}); quote the value") from e
+        _set_dotted(out, key, value)
+    return out
+
+
+def _set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    if "" in parts:
+        raise ConfigError(f"override key `{key}` has an empty part; write it like training.learning_rate")
+    node: Any = d
+    for i, part in enumerate(parts[:-1]):
+        here = ".".join(parts[: i + 1])
+        if isinstance(node, dict) and node.get(part) is None:
+            if parts[i + 1].isdigit():
+                raise ConfigError(f"override `{key}`: the list `{here}` is not in the file; set it whole")
+            node[part] = {}  # a section absent from the file (or left empty)
+        node = node[_index(node, part, key, here)]
+    node[_index(node, parts[-1], key, key)] = value
+
+
+def _index(node: Any, part: str, key: str, here: str) -> str | int:
+    if isinstance(node, list):  # e.g. rewards.0.weight=2
+        if not part.isdigit() or int(part) >= len(node):
+            raise ConfigError(f"override `{key}`: `{here}` must index the list (0..{len(node) - 1})")
+        return int(part)
+    if not isinstance(node, dict):
+        raise ConfigError(f"override `{key}`: `{here.rpartition('.')[0]}` is a value, not a section")
+    return part
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML file (None = all defaults), apply overrides, convert and validate."""
+    raw: Any = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass an existing YAML file (see configs/)")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML; fix the syntax: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of keys to values at the top level")
+    cfg = config_from_dict(apply_overrides(raw, overrides))
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Any, path: str | Path) -> None:
+    """Write the fully resolved config as YAML that `load_config` reads back to an equal Config."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True))
+
+
+# ---------------------------------------------------------------- validation
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": DTYPES,
+    "model.attn_implementation": ATTN_IMPLEMENTATIONS,
+    "sampling.dtype": DTYPES,
+    "grpo.scale_rewards": SCALE_REWARDS,
+    "grpo.loss_agg": LOSS_AGGS,
+    "training.lr_scheduler": LR_SCHEDULERS,
+    "training.mixed_precision": MIXED_PRECISIONS,
+    "training.distributed_strategy": DISTRIBUTED_STRATEGIES,
+}
+
+# (dotted key, check, what it must be)
+_BOUNDS: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("seed", lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    ("data.num_examples", lambda v: v >= 0, ">= 0 (0 = all)"),
+    ("data.num_eval_examples", lambda v: v >= 0, ">= 0"),
+    ("data.num_shots", lambda v: v >= 0, ">= 0"),
+    ("sampling.num_generations", lambda v: v >= 2, ">= 2 (a group of one completion has no advantage)"),
+    ("sampling.max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("sampling.temperature", lambda v: v > 0, "> 0"),
+    ("sampling.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("sampling.top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("sampling.batch_size", lambda v: v >= 1, ">= 1"),
+    ("grpo.prompts_per_step", lambda v: v >= 1, ">= 1"),
+    ("grpo.clip_eps_low", lambda v: v >= 0, ">= 0"),
+    ("grpo.clip_eps_high", lambda v: v >= 0, ">= 0"),
+    ("grpo.kl_coef", lambda v: v >= 0, ">= 0 (0 = no KL term)"),
+    ("grpo.num_iterations", lambda v: v >= 1, ">= 1"),
+    ("grpo.adv_eps", lambda v: v >= 0, ">= 0"),
+    ("training.max_steps", lambda v: v >= 1, ">= 1"),
+    ("training.learning_rate", lambda v: v > 0, "> 0"),
+    ("training.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("training.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("training.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("training.adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("training.adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("training.adam_eps", lambda v: v > 0, "> 0"),
+    ("training.micro_batch_size", lambda v: v >= 1, ">= 1"),
+    ("training.gradient_accumulation_steps", lambda v: v >= 1, ">= 1"),
+    ("training.max_grad_norm", lambda v: v >= 0, ">= 0 (0 = no clipping)"),
+    ("training.save_steps", lambda v: v >= 0, ">= 0 (0 = only the final save)"),
+    ("training.save_total_limit", lambda v: v >= 0, ">= 0 (0 = keep all)"),
+    ("training.logging_steps", lambda v: v >= 1, ">= 1"),
+    ("training.sample_log_steps", lambda v: v >= 0, ">= 0 (0 = never)"),
+    ("training.num_threads", lambda v: v >= 0, ">= 0 (0 = torch default)"),
+]
+
+_FUNCTION_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _get(cfg: Config, key: str) -> Any:
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks on a converted Config; raises ConfigError naming the key and the fix."""
+    name = cfg.experiment_name
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise ConfigError(
+            f"`experiment_name` is {name!r}; use a plain folder name without '/' (e.g. gsm8k-grpo)"
+        )
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"`{key}` is {_get(cfg, key)!r}; choose one of: {', '.join(choices)}")
+    for key, ok, must_be in _BOUNDS:
+        if not ok(_get(cfg, key)):
+            raise ConfigError(f"`{key}` is {_get(cfg, key)!r}; it must be {must_be}")
+    for i, reporter in enumerate(cfg.training.report_to):
+        if reporter not in REPORTERS:
+            raise ConfigError(
+                f"`training.report_to[{i}]` is {reporter!r}; choose from: {', '.join(REPORTERS)}"
+            )
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.training.device):
+        raise ConfigError(f"`training.device` is {cfg.training.device!r}; use auto, cpu, cuda or cuda:N")
+    _validate_rewards(cfg.rewards)
+    _validate_batch(cfg)
+
+
+def _validate_rewards(rewards: list[RewardSpec]) -> None:
+    if not rewards:
+        raise ConfigError("`rewards` is empty; add at least one, e.g. rewards: [{type: answer}]")
+    seen: set[str] = set()
+    for i, spec in enumerate(rewards):
+        key = f"rewards[{i}]"
+        if spec.type not in REWARD_TYPES:
+            raise ConfigError(f"`{key}.type` is {spec.type!r}; choose one of: {', '.join(REWARD_TYPES)}")
+        if spec.type == "function" and not (spec.function and _FUNCTION_SPEC.match(spec.function)):
+            raise ConfigError(
+                f"`{key}.function` is {spec.function!r}; type function needs it as 'package.module:function'"
+            )
+        if spec.type != "function" and spec.function is not None:
+            raise ConfigError(
+                f"`{key}.function` is set but `{key}.type` is {spec.type!r}; set type: function"
+            )
+        if spec.resolved_name in seen:
+            raise ConfigError(
+                f"`{key}.name`: two rewards are named {spec.resolved_name!r}; give each a distinct name"
+            )
+        seen.add(spec.resolved_name)
+
+
+def _validate_batch(cfg: Config) -> None:
+    prompts, group = cfg.grpo.prompts_per_step, cfg.sampling.num_generations
+    micro, accum = cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps
+    num_sequences = prompts * group
+    if num_sequences % (micro * accum) == 0:
+        return
+    fits = [a for a in range(1, num_sequences // micro + 1) if num_sequences % (micro * a) == 0]
+    if fits:
+        fix = f"set training.gradient_accumulation_steps to one of {fits}"
+    else:
+        divisors = [m for m in range(1, num_sequences + 1) if num_sequences % m == 0]
+        fix = f"set training.micro_batch_size to a divisor of {num_sequences} ({divisors}), then adjust accumulation"
+    raise ConfigError(
+        f"`training.gradient_accumulation_steps`: one step samples grpo.prompts_per_step * "
+        f"sampling.num_generations = {prompts} * {group} = {num_sequences} sequences, but one optimizer step "
+        f"consumes training.micro_batch_size * training.gradient_accumulation_steps = {micro} * {accum} = "
+        f"{micro * accum}, which does not divide {num_sequences}; {fix}"
+    )

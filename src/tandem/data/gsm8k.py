@@ -1,0 +1,142 @@
+"""GSM8K loading: local jsonl/parquet files or folders, or the hub id `openai/gsm8k` when online.
+
+`load_examples` is the one entry point the sampler uses: "synthetic" for the embedded arithmetic
+generator, anything else for GSM8K-format data (`question`, `answer` ending in `#### N`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tandem.data import arithmetic
+from tandem.types import Example
+
+HUB_IDS = ("openai/gsm8k", "gsm8k")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def extract_gold(answer_text: str) -> str:
+    """The final number after the last `####` of a GSM8K solution, commas removed ("1,200" -> "1200")."""
+    if "####" not in answer_text:
+        raise ValueError(f"GSM8K answer has no '#### N' line: {answer_text[-80:]!r}")
+    gold = answer_text.rsplit("####", 1)[1].strip().replace(",", "")
+    if not _NUMBER.fullmatch(gold):
+        raise ValueError(f"GSM8K answer after '####' is not a number: {gold!r}")
+    return gold
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
+    """Rows with a `file:line` label each, for error messages."""
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
+            rows.append((f"{path}:{line_no}", row))
+    return rows
+
+
+def _read_parquet(path: Path) -> list[tuple[str, dict]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        try:
+            import pandas as pd
+        except ImportError as err:
+            raise ValueError(
+                f"reading {path} needs pyarrow: pip install pyarrow (or use a .jsonl file)"
+            ) from err
+        records = pd.read_parquet(path).to_dict("records")
+    else:
+        records = pq.read_table(path).to_pylist()
+    return [(f"{path}:row {i}", row) for i, row in enumerate(records)]
+
+
+def _files_for(source: str, split: str) -> list[Path]:
+    """The data files that `source` (a file, or a folder holding `split`) names."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise ValueError(f"GSM8K source {source!r} is neither a file, a folder, nor one of {HUB_IDS}")
+    for folder in (path, path / "main"):  # `main/` is the layout of the hub repository
+        for name in (f"{split}.jsonl", f"{split}.parquet"):
+            if (folder / name).is_file():
+                return [folder / name]
+        shards = sorted(folder.glob(f"{split}-*.parquet"))
+        if shards:
+            return shards
+    raise ValueError(f"no {split}.jsonl, {split}.parquet or {split}-*.parquet in {path}")
+
+
+def _load_hub(split: str) -> list[tuple[str, dict]]:
+    try:
+        import datasets
+    except ImportError as err:
+        raise ValueError(
+            "loading 'openai/gsm8k' from the hub needs `pip install datasets` and a network; "
+            "or pass a local path to a GSM8K .jsonl/.parquet file or folder"
+        ) from err
+    try:
+        rows = datasets.load_dataset("openai/gsm8k", "main", split=split)
+    except Exception as err:  # offline, unknown split, hub error: all fixed the same way
+        raise ValueError(
+            f"could not load openai/gsm8k split {split!r} from the hub ({type(err).__name__}: {err}); "
+            "pass a local path to a GSM8K .jsonl/.parquet file or folder instead"
+        ) from err
+    return [(f"openai/gsm8k[{split}] row {i}", row) for i, row in enumerate(rows)]
+
+
+def load_gsm8k(source: str, split: str = "train", limit: int = 0) -> list[Example]:
+    """GSM8K rows as Examples, in file order; `limit` > 0 keeps only the first `limit`.
+
+    `source` is a .jsonl or .parquet file (then `split` only names the prompt ids), a folder
+    holding `{split}.jsonl`, `{split}.parquet` or `{split}-*.parquet`, or "openai/gsm8k".
+    """
+    if source in HUB_IDS and not Path(source).exists():
+        labelled = _load_hub(split)
+    else:
+        labelled = []
+        for path in _files_for(source, split):
+            if path.suffix == ".parquet":
+                labelled += _read_parquet(path)
+            else:
+                labelled += _read_jsonl(path)
+    if limit > 0:
+        labelled = labelled[:limit]
+    examples = []
+    for i, (where, row) in enumerate(labelled):
+        if not (
+            isinstance(row, dict) and all(isinstance(row.get(key), str) for key in ("question", "answer"))
+        ):
+            raise ValueError(f"{where}: a GSM8K row needs string fields 'question' and 'answer'")
+        try:
+            gold = extract_gold(row["answer"])
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from err
+        examples.append(
+            Example(
+                prompt_id=f"gsm8k-{split}-{i}",
+                question=row["question"],
+                answer=gold,
+                metadata={"solution": row["answer"], "source": source},
+            )
+        )
+    return examples
+
+
+def load_examples(dataset: str, split: str, num_examples: int, seed: int) -> list[Example]:
+    """Prompts for a run: "synthetic" generates `num_examples` problems from `seed`; any other
+    `dataset` is a GSM8K source for `load_gsm8k` (first `num_examples` rows, 0 = all; no seed).
+    """
+    if dataset == "synthetic":
+        if num_examples <= 0:
+            raise ValueError(f"dataset 'synthetic' needs num_examples > 0, got {num_examples}")
+        return arithmetic.make_examples(num_examples, seed, split)
+    return load_gsm8k(dataset, split, limit=num_examples)

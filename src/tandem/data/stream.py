@@ -1,0 +1,45 @@
+"""An endless, seeded, resumable stream of prompt batches over a list of examples."""
+
+from __future__ import annotations
+
+import random
+
+from tandem.types import Example
+
+
+class PromptStream:
+    """Epoch e visits the examples in a permutation fixed by (seed, e); the position is two ints."""
+
+    def __init__(self, examples: list[Example], batch_size: int, *, seed: int, shuffle: bool = True) -> None:
+        if not examples:
+            raise ValueError("the data set is empty: check data.dataset and data.num_examples")
+        self.examples = examples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.index = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[Example]:
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.index == len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            batch.append(self.examples[self._order[self.index]])
+            self.index += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,144 @@
+"""Rollout: prompts -> scored groups (sampled completions, sampler and reference log-probs, rewards, advantages).
+
+The colocated loop and the sampler process both call `Rollout.run`, so the two pipelines share
+every line of the algorithm.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.algorithms.grpo import group_advantages
+from tandem.data.prompts import render_prompt
+from tandem.models.forward import pack_rows, packed_logprobs
+from tandem.rewards.registry import RewardSet
+from tandem.sampler.generation import generate_groups
+from tandem.types import Completion, Example, Group
+
+
+@dataclass
+class RolloutTimings:
+    generate: float = 0.0
+    reference: float = 0.0
+    reward: float = 0.0
+
+
+@dataclass
+class Rollout:
+    """Everything needed to turn examples into groups; `policy` is the rollout copy of the policy."""
+
+    policy: torch.nn.Module
+    reference: torch.nn.Module | None
+    tokenizer: object
+    rewards: RewardSet
+    system_prompt: str
+    num_shots: int
+    prefill: str
+    num_generations: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    batch_size: int = 32
+    scale_rewards: str = "group"
+    adv_eps: float = 1e-4
+    sampler_id: str = "local"
+    generator: torch.Generator | None = None
+    timings: RolloutTimings = field(default_factory=RolloutTimings)
+    _prompt_cache: dict = field(default_factory=dict)
+
+    def prompt(self, example: Example) -> tuple[str, list[int]]:
+        if example.question not in self._prompt_cache:
+            text = render_prompt(self.tokenizer, example.question, self.system_prompt, self.num_shots, self.prefill)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            self._prompt_cache[example.question] = (text, ids)
+        return self._prompt_cache[example.question]
+
+    def run(self, examples: list[Example], policy_version: int) -> list[Group]:
+        """One group of num_generations completions per example, in example order."""
+        timings = RolloutTimings()
+        prompts = [self.prompt(ex) for ex in examples]
+        t0 = time.perf_counter()
+        self.policy.eval()
+        gen = generate_groups(
+            self.policy, [ids for _, ids in prompts],
+            num_generations=self.num_generations, max_new_tokens=self.max_new_tokens,
+            eos_token_ids=eos_token_ids(self.tokenizer, self.policy), pad_token_id=self.tokenizer.pad_token_id,
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            batch_size=self.batch_size, generator=self.generator,
+        )
+        timings.generate = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        prompt_ids = [ids for _, ids in prompts for _ in range(self.num_generations)]
+        ref_logprobs = self.reference_logprobs(prompt_ids, gen.token_ids)
+        timings.reference = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        completions = []
+        for i, token_ids in enumerate(gen.token_ids):
+            example = examples[i // self.num_generations]
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            reward, info = self.rewards.score(self.prefill + text, example)
+            completions.append(Completion(
+                text=text, generated_token_ids=token_ids, is_finished=gen.finished[i],
+                reward=reward, reward_info=info,
+                old_policy_log_probs=torch.tensor(gen.logprobs[i], dtype=torch.float32),
+                ref_policy_log_probs=None if ref_logprobs is None else ref_logprobs[i],
+            ))
+        # group statistics live here; batch scaling (if chosen) is redone by the trainer
+        scale = "none" if self.scale_rewards == "batch" else self.scale_rewards
+        advantages = group_advantages(
+            torch.tensor([c.reward for c in completions]), self.num_generations, scale=scale, eps=self.adv_eps
+        )
+        for c, a in zip(completions, advantages.tolist()):
+            c.advantage = a
+        timings.reward = time.perf_counter() - t0
+        self.timings = timings
+
+        G = self.num_generations
+        return [
+            Group(
+                group_id=uuid.uuid4().hex, prompt_id=ex.prompt_id, prefix=text, prefix_token_ids=ids,
+                completions=completions[j * G : (j + 1) * G], policy_version=policy_version,
+                sampler_id=self.sampler_id, created_at=time.time(),
+                metadata={"answer": ex.answer, **ex.metadata},
+            )
+            for j, (ex, (text, ids)) in enumerate(zip(examples, prompts))
+        ]
+
+    @torch.inference_mode()
+    def reference_logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor] | None:
+        """Frozen reference log-probs; each group is one packed row (its prompt computed once)."""
+        if self.reference is None:
+            return None
+        device = next(self.reference.parameters()).device
+        G = self.num_generations
+        groups_per_batch = max(1, self.batch_size // G)
+        out: list[torch.Tensor] = []
+        for start in range(0, len(prompts), groups_per_batch * G):
+            rows = [
+                (prompts[i], completions[i : i + G])
+                for i in range(start, min(start + groups_per_batch * G, len(prompts)), G)
+            ]
+            logprobs = packed_logprobs(
+                self.reference, pack_rows(rows).to(device), temperature=self.temperature
+            ).cpu()
+            lengths = [len(c) for _, cs in rows for c in cs]
+            out += [logprobs[k, :n].clone() for k, n in enumerate(lengths)]
+        return out
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """The ids that end a completion: the tokenizer's eos plus the generation config's."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos:
+        ids.update(gen_eos)
+    return sorted(i for i in ids if i is not None)

@@ -1,0 +1,107 @@
+"""Groups -> padded training micro-batches, with the global counts the loss divides by."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.algorithms.grpo import group_advantages
+from tandem.models.forward import PackedRows, pack_rows
+from tandem.types import Group
+
+
+@dataclass
+class Sample:
+    """One completion flattened out of its group, ready to be batched."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sampler_logprobs: torch.Tensor  # [T]
+    ref_logprobs: torch.Tensor | None  # [T]
+    advantage: float
+    policy_version: int
+    group_index: int  # samples of one group share a packed row (their prompt is computed once)
+
+
+@dataclass
+class MicroBatch:
+    packed: PackedRows  # prompt + completions rows, completions in sample order
+    completion_mask: torch.Tensor  # [B, T]
+    sampler_logprobs: torch.Tensor  # [B, T]
+    ref_logprobs: torch.Tensor | None  # [B, T]
+    advantages: torch.Tensor  # [B]
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(*(None if t is None else t.to(device) for t in self.__dict__.values()))
+
+
+def flatten_groups(
+    groups: list[Group], *, scale_rewards: str, adv_eps: float, skip_zero_variance: bool
+) -> list[Sample]:
+    """Samples of every group, in order; batch reward scaling is applied here, across all groups."""
+    if scale_rewards == "batch" and groups:
+        rewards = torch.tensor([r for g in groups for r in g.rewards])
+        advantages = group_advantages(rewards, len(groups[0].completions), scale="batch", eps=adv_eps).tolist()
+    else:
+        advantages = [c.advantage for g in groups for c in g.completions]
+    samples, k = [], 0
+    for index, g in enumerate(groups):
+        flat = len(set(g.rewards)) <= 1
+        for c in g.completions:
+            if not (skip_zero_variance and flat):
+                samples.append(Sample(
+                    g.prefix_token_ids, c.generated_token_ids, c.old_policy_log_probs,
+                    c.ref_policy_log_probs, advantages[k], g.policy_version, index,
+                ))
+            k += 1
+    return samples
+
+
+def collate(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
+    """Pack a micro-batch; samples of one group must be adjacent (split_micro_batches keeps them so)."""
+    rows: list[tuple[list[int], list[list[int]]]] = []
+    for i, s in enumerate(samples):
+        if i == 0 or s.group_index != samples[i - 1].group_index:
+            rows.append((s.prompt_ids, []))
+        rows[-1][1].append(s.completion_ids)
+    completion_lengths = torch.tensor([len(s.completion_ids) for s in samples])
+    width = int(completion_lengths.max())
+    mask = torch.arange(width)[None, :] < completion_lengths[:, None]
+
+    def pad(rows: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros(len(rows), width, dtype=torch.float32)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = r
+        return out
+
+    has_ref = all(s.ref_logprobs is not None for s in samples)
+    return MicroBatch(
+        packed=pack_rows(rows, pad_id), completion_mask=mask, sampler_logprobs=pad([s.sampler_logprobs for s in samples]),
+        ref_logprobs=pad([s.ref_logprobs for s in samples]) if has_ref else None,
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+    )
+
+
+def split_micro_batches(samples: list[Sample], micro_batch_size: int) -> list[list[Sample]]:
+    """Chunks of at most micro_batch_size sequences; a group's samples stay adjacent, and groups
+    of similar total length go together so little of a packed micro-batch is padding.
+
+    The loss is normalised by global counts, so the grouping changes only summation order.
+    """
+    by_group: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_group.setdefault(s.group_index, []).append(s)
+
+    def group_tokens(group: list[Sample]) -> int:
+        return len(group[0].prompt_ids) + sum(len(s.completion_ids) for s in group)
+
+    ordered = [s for group in sorted(by_group.values(), key=group_tokens) for s in group]
+    return [ordered[i : i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size)]
+
+
+def loss_normalizer(samples: list[Sample], loss_agg: str) -> float:
+    """The count the loss of a whole optimizer batch divides by (DESIGN.md section 6)."""
+    if loss_agg == "token-mean":
+        return float(sum(len(s.completion_ids) for s in samples))
+    return float(len(samples))

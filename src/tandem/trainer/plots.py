@@ -1,0 +1,204 @@
+"""PNG curves of a run's metrics.jsonl (`tandem plot RUN_DIR`), and overlays that compare several runs.
+
+Figures are drawn with matplotlib's Agg backend through `matplotlib.figure.Figure`, never pyplot: no
+display is needed and the caller's global pyplot backend (e.g. in a notebook) is left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from tandem.trainer.metrics import METRICS_FILE, read_metrics
+
+X_LABEL = "optimizer step"
+TIMING_FIELDS = ("time_generate", "time_reference", "time_train", "time_optimizer", "time_other")
+
+
+def _load_rows(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no {METRICS_FILE} in {run_dir}: is this a run folder (runs/<experiment_name>)?"
+        )
+    rows = [r for r in read_metrics(path) if r.get("step") is not None]
+    if not rows:
+        raise FileNotFoundError(f"{path} holds no metrics rows yet: nothing to plot")
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def _series(rows: list[dict], field: str) -> np.ndarray | None:
+    """Values of `field` per row (NaN where missing or null); None if no row has a value for it."""
+    values = [r.get(field) for r in rows]
+    if all(v is None for v in values):
+        return None
+    return np.array([np.nan if v is None else float(v) for v in values], dtype=float)
+
+
+def moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over the last `window` finite values (fewer at the start); NaNs are ignored."""
+    finite = np.isfinite(values)
+    sums = np.cumsum(np.where(finite, values, 0.0))
+    counts = np.cumsum(finite)
+    sums[window:] = sums[window:] - sums[:-window]
+    counts[window:] = counts[window:] - counts[:-window]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def _line(ax: Axes, steps: np.ndarray, values: np.ndarray, label: str, smooth: int, **style) -> None:
+    """Draw a curve; with smoothing, the raw curve stays faint beneath its moving average."""
+    if smooth > 1:
+        (raw,) = ax.plot(steps, values, alpha=0.25, linewidth=1, **style)
+        ax.plot(steps, moving_average(values, smooth), label=label, color=raw.get_color(), **style)
+    else:
+        ax.plot(steps, values, label=label, **style)
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    FigureCanvasAgg(fig)  # attach the Agg canvas explicitly: no GUI backend is ever consulted
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _new_figure(nrows: int = 1) -> tuple[Figure, list[Axes]]:
+    fig = Figure(figsize=(7, 3.2 * nrows + 0.8))
+    axes = fig.subplots(nrows, 1, sharex=True, squeeze=False)[:, 0]
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel(X_LABEL)
+    return fig, list(axes)
+
+
+def _plot_reward(name: str, steps: np.ndarray, rows: list[dict], smooth: int) -> Figure | None:
+    mean = _series(rows, "reward_mean")
+    if mean is None:
+        return None
+    fig, (ax,) = _new_figure()
+    _line(ax, steps, mean, "reward_mean", smooth)
+    std = _series(rows, "reward_std")
+    if std is not None:
+        ax.fill_between(steps, mean - std, mean + std, alpha=0.15, label="± reward_std")
+    ax.set(title=f"{name}: reward", ylabel="reward")
+    ax.legend(loc="best")
+    return fig
+
+
+def _plot_accuracy(name: str, steps: np.ndarray, rows: list[dict], smooth: int) -> Figure | None:
+    curves = {f: _series(rows, f) for f in ("answer_accuracy", "format_accuracy")}
+    if all(v is None for v in curves.values()):
+        return None
+    fig, (ax,) = _new_figure()
+    for field, values in curves.items():
+        if values is not None:
+            _line(ax, steps, values, field, smooth)
+    ax.set(title=f"{name}: accuracy", ylabel="accuracy", ylim=(-0.02, 1.02))
+    ax.legend(loc="best")
+    return fig
+
+
+def _single(
+    field: str, title: str, ylabel: str
+) -> Callable[[str, np.ndarray, list[dict], int], Figure | None]:
+    def plot(name: str, steps: np.ndarray, rows: list[dict], smooth: int) -> Figure | None:
+        values = _series(rows, field)
+        if values is None:
+            return None
+        fig, (ax,) = _new_figure()
+        _line(ax, steps, values, field, smooth)
+        ax.set(title=f"{name}: {title}", ylabel=ylabel)
+        return fig
+
+    return plot
+
+
+def _plot_loss(name: str, steps: np.ndarray, rows: list[dict], smooth: int) -> Figure | None:
+    present = {f: v for f in ("loss", "grad_norm") if (v := _series(rows, f)) is not None}
+    if not present:
+        return None
+    fig, axes = _new_figure(len(present))
+    for ax, (field, values) in zip(axes, present.items()):
+        _line(ax, steps, values, field, smooth)
+        ax.set(ylabel=field)
+    axes[0].set_title(f"{name}: {' and '.join(present)}")
+    return fig
+
+
+def _plot_timing(name: str, steps: np.ndarray, rows: list[dict], smooth: int) -> Figure | None:
+    total = _series(rows, "step_seconds")
+    parts = {f: v for f in TIMING_FIELDS if (v := _series(rows, f)) is not None}
+    if total is None and not parts:
+        return None
+    fig, (ax,) = _new_figure()
+    if parts:
+        # Stacked phases of a step; a phase missing at some step counts as 0 s there.
+        ax.stackplot(steps, *(np.nan_to_num(v) for v in parts.values()), labels=list(parts), alpha=0.7)
+    if total is not None:
+        ax.plot(steps, total, color="black", linewidth=1, label="step_seconds")
+    ax.set(title=f"{name}: time per step", ylabel="seconds")
+    ax.legend(loc="upper left", fontsize="small")
+    return fig
+
+
+FIGURES = {
+    "reward.png": _plot_reward,
+    "accuracy.png": _plot_accuracy,
+    "kl.png": _single("kl", "KL to reference", "kl"),
+    "completion_length.png": _single("completion_length_mean", "completion length", "tokens"),
+    "loss.png": _plot_loss,
+    "timing.png": _plot_timing,
+}
+
+
+def plot_run(run_dir: Path, out_dir: Path | None = None, *, smooth: int = 0) -> list[Path]:
+    """Write the run's PNG figures (default `run_dir/plots`); a figure whose fields are all absent is skipped."""
+    run_dir = Path(run_dir)
+    rows = _load_rows(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    steps = np.array([float(r["step"]) for r in rows])
+    name = run_dir.resolve().name
+    written = []
+    for filename, draw in FIGURES.items():
+        fig = draw(name, steps, rows, smooth)
+        if fig is not None:
+            written.append(_save(fig, out_dir / filename))
+    return written
+
+
+def plot_runs(run_dirs: list[Path], out_dir: Path, *, smooth: int = 0) -> list[Path]:
+    """Overlay several runs' accuracy and reward curves (`compare_accuracy.png`, `compare_reward.png`)."""
+    if not run_dirs:
+        raise ValueError("plot_runs needs at least one run folder")
+    runs = [_load_rows(Path(d)) for d in run_dirs]
+    names = [Path(d).resolve().name for d in run_dirs]
+    if len(set(names)) < len(names):  # same folder name under different parents: label by full path
+        names = [str(d) for d in run_dirs]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    panels = {
+        "compare_accuracy.png": ("answer_accuracy", "answer accuracy", (-0.02, 1.02)),
+        "compare_reward.png": ("reward_mean", "reward", None),
+    }
+    for filename, (field, ylabel, ylim) in panels.items():
+        fig, (ax,) = _new_figure()
+        drawn = 0
+        for label, rows in zip(names, runs):
+            values = _series(rows, field)
+            if values is not None:
+                _line(ax, np.array([float(r["step"]) for r in rows]), values, label, smooth)
+                drawn += 1
+        if drawn:
+            ax.set(title=f"{ylabel} ({len(runs)} runs)", ylabel=ylabel)
+            if ylim is not None:
+                ax.set_ylim(*ylim)
+            ax.legend(loc="best", fontsize="small")
+            written.append(_save(fig, out_dir / filename))
+    return written

@@ -1,0 +1,64 @@
+"""The shared vocabulary of tandem: the records that cross module boundaries.
+
+Data loaders produce `Example`s; rewards and the sampler consume them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt row: a question and its gold final answer.
+
+    `answer` is the gold final number as a string ("72", "1200"); `metadata` carries the rest
+    of the row, e.g. the full gold solution text (`solution`) and where it came from (`source`).
+    """
+
+    prompt_id: str
+    question: str
+    answer: str
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class Completion:
+    """One sampled completion with everything the trainer needs (DESIGN.md section 2).
+
+    Log-prob arrays are float32 [len(generated_token_ids)], aligned with the generated tokens;
+    `old_policy_log_probs` come from the policy version that sampled it.
+    """
+
+    text: str
+    generated_token_ids: list[int]
+    is_finished: bool
+    reward: float
+    reward_info: dict[str, float]
+    old_policy_log_probs: torch.Tensor
+    ref_policy_log_probs: torch.Tensor | None
+    advantage: float = 0.0
+
+
+@dataclass
+class Group:
+    """All G completions of one prompt: the unit on the wire, never split across ranks."""
+
+    group_id: str
+    prompt_id: str
+    prefix: str  # prompt text after the chat template (and any prefill)
+    prefix_token_ids: list[int]
+    completions: list[Completion]
+    policy_version: int
+    sampler_id: str = "local"
+    created_at: float = 0.0
+    metadata: dict = field(default_factory=dict)  # the data row's, e.g. the gold answer
+
+    @property
+    def rewards(self) -> list[float]:
+        return [c.reward for c in self.completions]
+
+    def whole_token_ids(self, index: int) -> list[int]:
+        return self.prefix_token_ids + self.completions[index].generated_token_ids

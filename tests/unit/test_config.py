@@ -1,0 +1,237 @@
+"""Config tree: defaults, YAML + overrides, round trip, and the error messages users see."""
+
+import pytest
+import yaml
+
+from tandem.config import (
+    Config,
+    ConfigError,
+    RewardSpec,
+    TrainingConfig,
+    apply_overrides,
+    config_from_dict,
+    dump_config,
+    load_config,
+    validate,
+)
+
+
+def _write(tmp_path, data, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+def test_defaults_validate():
+    cfg = load_config(None)
+    assert cfg == Config()
+    validate(cfg)
+    assert [r.type for r in cfg.rewards] == ["answer", "format"]
+    assert str(cfg.run_dir) == "runs/grpo"
+
+
+def test_yaml_and_overrides_parse_types(tmp_path):
+    path = _write(
+        tmp_path,
+        "experiment_name: gsm\n"
+        "training:\n  learning_rate: 3e-6\n  micro_batch_size: 4\n"
+        "model:\n  reference: some/ref\n"
+        "rewards:\n  - type: answer\n  - {type: format, weight: 0.1}\n",
+    )
+    cfg = load_config(
+        path,
+        [
+            "training.learning_rate=1e-5",  # YAML 1.1 reads this as a string; must become a float
+            "training.report_to=[tensorboard,wandb]",
+            "model.reference=null",
+            "sampling.num_generations=8",
+            "grpo.skip_zero_variance_groups=true",
+            "training.max_grad_norm=2",  # an int is fine for a float
+            "rewards.1.weight=0.5",
+        ],
+    )
+    assert cfg.experiment_name == "gsm"
+    assert cfg.training.learning_rate == 1e-5 and isinstance(cfg.training.learning_rate, float)
+    assert cfg.training.micro_batch_size == 4
+    assert cfg.training.report_to == ["tensorboard", "wandb"]
+    assert cfg.model.reference is None
+    assert cfg.sampling.num_generations == 8
+    assert cfg.grpo.skip_zero_variance_groups is True
+    assert cfg.training.max_grad_norm == 2.0 and isinstance(cfg.training.max_grad_norm, float)
+    assert cfg.rewards[1].weight == 0.5
+
+
+def test_yaml_float_written_without_dot_is_a_float(tmp_path):
+    cfg = load_config(_write(tmp_path, "training:\n  learning_rate: 1e-5\n  adam_eps: 1.0e-7\n"))
+    assert cfg.training.learning_rate == 1e-5
+    assert cfg.training.adam_eps == 1e-7
+
+
+def test_apply_overrides_does_not_mutate_input():
+    d = {"training": {"max_steps": 3}}
+    out = apply_overrides(d, ["training.max_steps=5", "data.num_shots=0"])
+    assert d == {"training": {"max_steps": 3}}
+    assert out == {"training": {"max_steps": 5}, "data": {"num_shots": 0}}
+
+
+def test_round_trip_dump_load(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "experiment_name=rt",
+            "training.learning_rate=2e-6",
+            "training.report_to=[tensorboard]",
+            "model.tokenizer=some/tok",
+            "rewards=[{type: answer, weight: 2}, {type: function, function: my.mod:score, name: mine}]",
+        ],
+    )
+    path = tmp_path / "out" / "config.yaml"
+    dump_config(cfg, path)
+    assert load_config(path) == cfg
+    assert load_config(path).data.system_prompt == cfg.data.system_prompt
+
+
+def test_unknown_top_level_key_suggests():
+    with pytest.raises(ConfigError, match=r"`experiment_nam`.*did you mean `experiment_name`"):
+        config_from_dict({"experiment_nam": "x"})
+
+
+def test_top_level_key_that_belongs_in_a_section_suggests_the_section():
+    with pytest.raises(ConfigError, match=r"did you mean `training.learning_rate`"):
+        config_from_dict({"learning_rate": 1e-5})
+
+
+def test_unknown_nested_key_suggests_dotted_key():
+    with pytest.raises(ConfigError, match=r"`training.learnig_rate`.*did you mean `training.learning_rate`"):
+        load_config(None, ["training.learnig_rate=1e-5"])
+
+
+def test_unknown_key_without_close_match_lists_valid_keys():
+    with pytest.raises(ConfigError, match=r"`sampling.zzz`.*valid keys here: num_generations"):
+        config_from_dict({"sampling": {"zzz": 1}})
+
+
+def test_wrong_type_names_key_and_value():
+    with pytest.raises(ConfigError, match=r"`training.max_steps` expects an integer, got 'many'"):
+        config_from_dict({"training": {"max_steps": "many"}})
+    with pytest.raises(ConfigError, match=r"`training.learning_rate` expects a number, got 'fast'"):
+        config_from_dict({"training": {"learning_rate": "fast"}})
+    with pytest.raises(ConfigError, match=r"`training.report_to` expects a list"):
+        config_from_dict({"training": {"report_to": "wandb"}})
+    with pytest.raises(ConfigError, match=r"`rewards\[0\].weight` expects a number"):
+        config_from_dict({"rewards": [{"type": "answer", "weight": "heavy"}]})
+
+
+def test_bool_is_not_a_number():
+    with pytest.raises(ConfigError, match=r"`sampling.num_generations` expects an integer, got True"):
+        config_from_dict({"sampling": {"num_generations": True}})
+    with pytest.raises(ConfigError, match=r"`sampling.temperature` expects a number, got False"):
+        config_from_dict({"sampling": {"temperature": False}})
+
+
+def test_int_is_not_a_bool_and_float_is_not_an_int():
+    with pytest.raises(ConfigError, match=r"`data.shuffle` expects a boolean"):
+        config_from_dict({"data": {"shuffle": 1}})
+    with pytest.raises(ConfigError, match=r"`training.max_steps` expects an integer, got 2.5"):
+        config_from_dict({"training": {"max_steps": 2.5}})
+
+
+def test_nested_section_must_be_a_mapping():
+    with pytest.raises(ConfigError, match=r"`training` must be a mapping"):
+        config_from_dict({"training": 3})
+
+
+def test_missing_required_reward_type():
+    with pytest.raises(ConfigError, match=r"`rewards\[0\].type` is required"):
+        config_from_dict({"rewards": [{"weight": 1.0}]})
+
+
+def test_bad_choice_lists_choices():
+    with pytest.raises(
+        ConfigError, match=r"`grpo.loss_agg` is 'sum'; choose one of: seq-mean-token-mean, token-mean"
+    ):
+        load_config(None, ["grpo.loss_agg=sum"])
+    with pytest.raises(
+        ConfigError, match=r"`training.report_to\[0\]` is 'mlflow'; choose from: tensorboard, wandb"
+    ):
+        load_config(None, ["training.report_to=[mlflow]"])
+    with pytest.raises(ConfigError, match=r"`sampling.dtype`"):
+        load_config(None, ["sampling.dtype=fp8"])
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("sampling.num_generations=1", "sampling.num_generations"),
+        ("training.learning_rate=0", "training.learning_rate"),
+        ("sampling.top_p=1.5", "sampling.top_p"),
+        ("sampling.temperature=0", "sampling.temperature"),
+        ("grpo.clip_eps_low=-0.1", "grpo.clip_eps_low"),
+        ("training.device=gpu", "training.device"),
+        ("experiment_name=a/b", "experiment_name"),
+        ("experiment_name=''", "experiment_name"),
+    ],
+)
+def test_bounds_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=rf"`{key}`"):
+        load_config(None, [override])
+
+
+def test_batch_divisibility_error_suggests_accumulation():
+    # 8 prompts * 4 generations = 32 sequences; 8 * 3 = 24 does not divide 32
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["training.gradient_accumulation_steps=3"])
+    msg = str(err.value)
+    assert "training.gradient_accumulation_steps" in msg
+    assert "8 * 4 = 32" in msg and "8 * 3 = 24" in msg
+    assert "[1, 2, 4]" in msg
+
+
+def test_batch_divisibility_error_when_micro_batch_does_not_fit():
+    with pytest.raises(ConfigError, match=r"training.micro_batch_size to a divisor of 32"):
+        load_config(None, ["training.micro_batch_size=5", "training.gradient_accumulation_steps=1"])
+
+
+def test_override_without_equals():
+    with pytest.raises(ConfigError, match=r"'training.learning_rate' must have the form key=value"):
+        apply_overrides({}, ["training.learning_rate"])
+
+
+def test_override_into_a_scalar_or_absent_list_is_an_error():
+    with pytest.raises(ConfigError, match=r"`seed` is a value, not a section"):
+        apply_overrides({"seed": 1}, ["seed.x=2"])
+    with pytest.raises(ConfigError, match=r"the list `rewards` is not in the file; set it whole"):
+        apply_overrides({}, ["rewards.0.weight=2"])
+    with pytest.raises(ConfigError, match=r"`rewards.5` must index the list \(0..0\)"):
+        apply_overrides({"rewards": [{"type": "answer"}]}, ["rewards.5.weight=2"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=r"nope.yaml does not exist"):
+        load_config(missing)
+    bad = _write(tmp_path, "training: [unclosed\n", name="bad.yaml")
+    with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML"):
+        load_config(bad)
+
+
+def test_reward_function_spec_validation():
+    ok = load_config(None, ["rewards=[{type: function, function: 'pkg.mod:my_reward'}]"])
+    assert ok.rewards == [RewardSpec(type="function", function="pkg.mod:my_reward")]
+    assert ok.rewards[0].resolved_name == "my_reward"
+    with pytest.raises(ConfigError, match=r"`rewards\[0\].function` is None; .*'package.module:function'"):
+        load_config(None, ["rewards=[{type: function}]"])
+    with pytest.raises(ConfigError, match=r"`rewards\[0\].function` is 'pkg.mod.my_reward'"):
+        load_config(None, ["rewards=[{type: function, function: pkg.mod.my_reward}]"])
+    with pytest.raises(ConfigError, match=r"`rewards\[0\].function` is set but"):
+        load_config(None, ["rewards=[{type: answer, function: 'pkg.mod:f'}]"])
+    with pytest.raises(ConfigError, match=r"`rewards\[0\].type` is 'length'; choose one of"):
+        load_config(None, ["rewards=[{type: length}]"])
+    with pytest.raises(ConfigError, match=r"`rewards` is empty"):
+        load_config(None, ["rewards=[]"])
+    with pytest.raises(ConfigError, match=r"two rewards are named 'answer'"):
+        load_config(None, ["rewards=[{type: answer}, {type: answer}]"])
+
+
+def test_config_from_dict_builds_any_section():
+    assert config_from_dict({"max_steps": 3}, TrainingConfig) == TrainingConfig(max_steps=3)

@@ -1,0 +1,102 @@
+"""Tests for tandem.trainer.plots: PNG figures from a synthetic metrics.jsonl."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tandem.trainer.metrics import REQUIRED_FIELDS
+from tandem.trainer.plots import moving_average, plot_run, plot_runs
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ALL_FIGURES = {"reward.png", "accuracy.png", "kl.png", "completion_length.png", "loss.png", "timing.png"}
+
+
+def write_run(run_dir: Path, num_steps: int = 20, drop: tuple[str, ...] = (), extra: bool = True) -> Path:
+    run_dir.mkdir(parents=True)
+    with (run_dir / "metrics.jsonl").open("w") as f:
+        for step in range(1, num_steps + 1):
+            row = {k: 0.1 for k in REQUIRED_FIELDS}
+            acc = 1 - math.exp(-step / 8)
+            row.update(
+                step=step,
+                reward_mean=2 * acc - 1,
+                reward_std=0.3,
+                answer_accuracy=acc,
+                format_accuracy=min(1.0, 2 * acc),
+                kl=0.01 * step,
+                loss=1 / step,
+                grad_norm=None if step == 3 else 2.0,
+            )
+            if extra:
+                row.update(
+                    completion_length_mean=100 + step,
+                    time_generate=1.0,
+                    time_train=0.5,
+                    time_other=0.1,
+                    step_seconds=1.6,
+                )
+            for key in drop:
+                row.pop(key, None)
+            f.write(json.dumps(row) + "\n")
+    return run_dir
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, path
+    assert len(data) > 5_000, path  # an axis, curves and labels: far more than an empty image
+
+
+def test_plot_run_writes_every_figure(tmp_path: Path):
+    run_dir = write_run(tmp_path / "grpo-demo")
+    paths = plot_run(run_dir)
+    assert {p.name for p in paths} == ALL_FIGURES
+    assert all(p.parent == run_dir / "plots" for p in paths)
+    for p in paths:
+        assert_png(p)
+
+
+def test_plot_run_with_smoothing_and_out_dir(tmp_path: Path):
+    run_dir = write_run(tmp_path / "run")
+    paths = plot_run(run_dir, tmp_path / "figs", smooth=5)
+    assert {p.name for p in paths} == ALL_FIGURES
+    for p in paths:
+        assert p.parent == tmp_path / "figs"
+        assert_png(p)
+
+
+def test_missing_optional_fields_skip_figures(tmp_path: Path):
+    run_dir = write_run(tmp_path / "run", extra=False, drop=("kl", "step_seconds"))
+    names = {p.name for p in plot_run(run_dir)}
+    assert names == {"reward.png", "accuracy.png", "loss.png"}
+
+
+def test_missing_metrics_file_is_a_clear_error(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        plot_run(tmp_path)
+
+
+def test_empty_metrics_file_is_a_clear_error(tmp_path: Path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(FileNotFoundError, match="no metrics rows"):
+        plot_run(tmp_path)
+
+
+def test_plot_runs_overlays_several_runs(tmp_path: Path):
+    a = write_run(tmp_path / "a" / "run", num_steps=15)
+    b = write_run(tmp_path / "b" / "run", num_steps=25, drop=("reward_mean",))
+    paths = plot_runs([a, b], tmp_path / "compare")
+    assert {p.name for p in paths} == {"compare_accuracy.png", "compare_reward.png"}
+    for p in paths:
+        assert_png(p)
+    with pytest.raises(ValueError):
+        plot_runs([], tmp_path / "compare")
+
+
+def test_moving_average_is_trailing_and_ignores_nan():
+    values = np.array([1.0, 3.0, np.nan, 5.0, 7.0])
+    # windows of 2: [1], [1,3], [3,nan], [nan,5], [5,7]
+    np.testing.assert_allclose(moving_average(values, 2), [1.0, 2.0, 3.0, 5.0, 6.0])
