@@ -37,6 +37,7 @@ def cmd_eval(args) -> int:
 
     result = evaluate(
         model=args.model, dataset=args.dataset, split=args.split, num_examples=args.num_examples,
+        difficulty=args.difficulty,
         num_shots=args.num_shots, prefill=args.prefill, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, num_samples=args.num_samples, batch_size=args.batch_size,
         dtype=args.dtype, seed=args.seed, device=args.device,
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="synthetic", help="synthetic | gsm8k | path to .jsonl/.parquet")
     p.add_argument("--split", default="test", help="synthetic: any split other than train is held out")
     p.add_argument("--num-examples", type=int, default=200)
+    p.add_argument("--difficulty", type=int, default=1, help="synthetic data: 1 one-step, 2 up to two steps")
     p.add_argument("--num-shots", type=int, default=1)
     p.add_argument("--prefill", default="<think>")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -54,6 +54,7 @@ class DataConfig:
     dataset: str = "synthetic"  # "synthetic" | "gsm8k" (openai/gsm8k) | path to .jsonl/.parquet
     split: str = "train"
     num_examples: int = 2000  # synthetic: how many to generate; files: cap (0 = all)
+    difficulty: int = 1  # synthetic data: 1 = one-step small numbers, 2 = up to two steps, numbers < 1000
     eval_dataset: str | None = None  # same forms as dataset; None = held-out synthetic / gsm8k test
     num_eval_examples: int = 200
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
@@ -338,6 +339,11 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 _BOUNDS: list[tuple[str, Callable[[Any], bool], str]] = [
     ("seed", lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
     ("data.num_examples", lambda v: v >= 0, ">= 0 (0 = all)"),
+    (
+        "data.difficulty",
+        lambda v: v in (1, 2),
+        "1 (one step, small numbers) or 2 (up to two steps, numbers < 1000)",
+    ),
     ("data.num_eval_examples", lambda v: v >= 0, ">= 0"),
     ("data.num_shots", lambda v: v >= 0, ">= 0"),
     ("sampling.num_generations", lambda v: v >= 2, ">= 2 (a group of one completion has no advantage)"),

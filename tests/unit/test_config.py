@@ -177,6 +177,14 @@ def test_bounds_name_the_key(override, key):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("value", ["0", "3", "-1"])
+def test_bad_data_difficulty_names_the_key_and_levels(value):
+    with pytest.raises(ConfigError, match=rf"`data.difficulty` is {value}; it must be 1 .* or 2 "):
+        load_config(None, [f"data.difficulty={value}"])
+    assert load_config(None, ["data.difficulty=2"]).data.difficulty == 2
+    assert load_config(None).data.difficulty == 1
+
+
 def test_batch_divisibility_error_suggests_accumulation():
     # 8 prompts * 4 generations = 32 sequences; 8 * 3 = 24 does not divide 32
     with pytest.raises(ConfigError) as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import re
@@ -24,33 +25,98 @@ _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * 
 # --- arithmetic generator ---------------------------------------------------------------------
 
 
-def test_generator_is_deterministic_per_seed() -> None:
-    assert make_problems(300, seed=3) == make_problems(300, seed=3)
-    assert make_problems(300, seed=3) != make_problems(300, seed=4)
-    assert make_examples(50, seed=3, split="eval") == make_examples(50, seed=3, split="eval")
+@pytest.mark.parametrize("difficulty", [1, 2])
+def test_generator_is_deterministic_per_seed(difficulty: int) -> None:
+    assert make_problems(300, seed=3, difficulty=difficulty) == make_problems(
+        300, seed=3, difficulty=difficulty
+    )
+    assert make_problems(300, seed=3, difficulty=difficulty) != make_problems(
+        300, seed=4, difficulty=difficulty
+    )
+    assert make_examples(50, seed=3, split="eval", difficulty=difficulty) == make_examples(
+        50, seed=3, split="eval", difficulty=difficulty
+    )
+
+
+def test_default_difficulty_is_one_and_levels_differ() -> None:
+    assert make_problems(50, seed=3) == make_problems(50, seed=3, difficulty=1)
+    assert make_examples(20, seed=3) == make_examples(20, seed=3, difficulty=1)
+    assert make_problems(50, seed=3, difficulty=1) != make_problems(50, seed=3, difficulty=2)
+
+
+def test_difficulty_two_is_unchanged() -> None:
+    # sha256 of the level-2 output, pinned from the generator before levels existed: runs and
+    # evals made with the old data stay reproducible at difficulty=2.
+    def digest(rows: object) -> str:
+        return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+    assert digest(make_problems(300, seed=0, difficulty=2)) == (
+        "8d308f702f027c97e465828c0b020e7c3ce7af967b3818f3052e6bdf18cac62e"
+    )
+    held_out = make_examples(200, seed=5, split="eval", difficulty=2)
+    assert digest([e.question + e.answer for e in held_out]) == (
+        "d701e4357bea9e11b50b24129e028d1609cdf8520b759a905d775abdf1bb4563"
+    )
+
+
+@pytest.mark.parametrize("bad", [0, 3, -1, True])
+def test_unknown_difficulty_is_an_error(bad: int) -> None:
+    with pytest.raises(ValueError, match=r"`data.difficulty` is .*choose one of: 1 .*2 "):
+        make_problems(5, seed=0, difficulty=bad)
+    with pytest.raises(ValueError, match=r"`data.difficulty`"):
+        make_examples(5, seed=0, difficulty=bad)
+
+
+def _check_worked_solution(problem: dict) -> list[tuple[str, str, str, str]]:
+    """The calculator notes of `problem`, after checking each step and the final answer."""
+    notes = _NOTE.findall(problem["answer"])
+    assert notes, problem
+    question_numbers = {int(n) for n in re.findall(r"\d+", problem["question"])}
+    results: set[int] = set()
+    for a, op, b, result in notes:
+        # each operand comes from the question or from an earlier step, and each step is right
+        assert {int(a), int(b)} <= question_numbers | results, problem
+        assert _OPS[op](int(a), int(b)) == int(result), problem
+        results.add(int(result))
+    gold = extract_gold(problem["answer"])
+    assert gold == notes[-1][3]
+    assert 0 <= int(gold) < 1000
+    return notes
 
 
 def test_generated_answers_follow_from_the_worked_solution() -> None:
-    problems = make_problems(1000, seed=0)
+    problems = make_problems(1000, seed=0, difficulty=2)
     assert len({p["question"] for p in problems}) == 1000  # distinct
     ops_seen, two_step = set(), 0
     for problem in problems:
-        notes = _NOTE.findall(problem["answer"])
-        assert notes, problem
-        question_numbers = {int(n) for n in re.findall(r"\d+", problem["question"])}
-        results: set[int] = set()
-        for a, op, b, result in notes:
-            # each operand comes from the question or from an earlier step, and each step is right
-            assert {int(a), int(b)} <= question_numbers | results, problem
-            assert _OPS[op](int(a), int(b)) == int(result), problem
-            results.add(int(result))
-            ops_seen.add(op)
-        gold = extract_gold(problem["answer"])
-        assert gold == notes[-1][3]
-        assert 0 <= int(gold) < 1000
+        notes = _check_worked_solution(problem)
+        ops_seen |= {op for _, op, _, _ in notes}
         two_step += len(notes) == 2
     assert ops_seen == {"+", "-", "*", "/"}
     assert 200 < two_step < 800
+
+
+def test_level_one_is_one_step_with_small_numbers() -> None:
+    problems = make_problems(1000, seed=0, difficulty=1)
+    assert len({p["question"] for p in problems}) == 1000  # distinct
+    ops_seen = set()
+    for problem in problems:
+        notes = _check_worked_solution(problem)
+        assert len(notes) == 1, problem  # one step
+        ((a, op, b, result),) = notes
+        ops_seen.add(op)
+        # first-grade sizes: operands <= 50 except a divide's total (<= 9 * 10), results <= 9 * 12
+        assert all(int(n) <= 90 for n in re.findall(r"\d+", problem["question"])), problem
+        assert int(result) <= 108, problem
+        if op == "+":
+            assert int(a) <= 40 and int(b) <= 30, problem
+        elif op == "-":
+            assert 10 <= int(a) <= 50 and int(result) > 0, problem
+        elif op == "*":
+            assert 2 <= int(a) <= 9 and 2 <= int(b) <= 12, problem
+        else:
+            assert 2 <= int(b) <= 10 and 2 <= int(result) <= 9, problem
+    assert ops_seen == {"+", "-", "*", "/"}
 
 
 def test_examples_carry_ids_and_gold() -> None:
@@ -61,13 +127,24 @@ def test_examples_carry_ids_and_gold() -> None:
         assert example.metadata["source"] == "synthetic"
 
 
-def test_train_and_eval_never_share_a_question() -> None:
-    train = {e.question for e in make_examples(3000, seed=0, split="train")}
+def test_level_one_train_and_held_out_are_disjoint_at_run_sizes() -> None:
+    for seed in (0, 42):
+        train = make_examples(2000, seed=seed, split="train", difficulty=1)
+        held_out = make_examples(500, seed=seed, split="eval", difficulty=1)
+        assert len({e.question for e in train}) == 2000
+        assert len({e.question for e in held_out}) == 500
+        assert not {e.question for e in train} & {e.question for e in held_out}
+
+
+@pytest.mark.parametrize("difficulty", [1, 2])
+def test_train_and_eval_never_share_a_question(difficulty: int) -> None:
+    train = {e.question for e in make_examples(3000, seed=0, split="train", difficulty=difficulty)}
     for seed in (0, 1):
-        held_out = make_examples(300, seed=seed, split="eval")
+        held_out = make_examples(300, seed=seed, split="eval", difficulty=difficulty)
         assert held_out[0].prompt_id == "arith-eval-0"
         assert not train & {e.question for e in held_out}
-    assert not train & {e.question for e in make_examples(300, seed=0, split="test")}
+    test_split = make_examples(300, seed=0, split="test", difficulty=difficulty)
+    assert not train & {e.question for e in test_split}
 
 
 # --- GSM8K loading ----------------------------------------------------------------------------
@@ -163,9 +240,13 @@ def test_hub_id_without_datasets_says_what_to_do() -> None:
 def test_load_examples_dispatch(tmp_path: Path) -> None:
     synthetic = load_examples("synthetic", "train", num_examples=5, seed=0)
     assert [e.prompt_id for e in synthetic] == [f"arith-train-{i}" for i in range(5)]
+    assert synthetic == make_examples(5, seed=0, difficulty=1)
+    harder = load_examples("synthetic", "train", num_examples=5, seed=0, difficulty=2)
+    assert harder == make_examples(5, seed=0, difficulty=2)
     _write_jsonl(tmp_path / "train.jsonl", [{"question": "Q", "answer": "#### 1"}] * 4)
     assert len(load_examples(str(tmp_path), "train", num_examples=3, seed=0)) == 3
     assert len(load_examples(str(tmp_path), "train", num_examples=0, seed=0)) == 4
+    assert len(load_examples(str(tmp_path), "train", num_examples=0, seed=0, difficulty=2)) == 4  # ignored
     with pytest.raises(ValueError, match="num_examples > 0"):
         load_examples("synthetic", "train", num_examples=0, seed=0)
 

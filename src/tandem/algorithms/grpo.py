@@ -30,10 +30,15 @@ def group_advantages(
     grouped = rewards.float().view(-1, group_size)  # [G, n]
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale == "group":
-        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+        centred = _safe_div(centred, grouped.std(dim=1, keepdim=True) + eps)
     elif scale == "batch":
-        centred = centred / (rewards.float().std() + eps)
+        centred = _safe_div(centred, rewards.float().std() + eps)
     return centred.reshape(-1)
+
+
+def _safe_div(centred: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # a flat group has centred == 0: keep it 0 even when eps == 0 makes the scale 0
+    return torch.where(centred == 0, torch.zeros_like(centred), centred / scale)
 
 
 def grpo_loss(

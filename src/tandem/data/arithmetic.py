@@ -2,6 +2,9 @@
 
 Each problem is `{"question": ..., "answer": "<worked solution>\\n#### N"}`; the worked solution
 uses GSM8K's calculator notes (`4 * 12 = <<4*12=48>>48`). Results are integers in [0, 1000).
+
+`difficulty` picks the problem set: 1 = one step with first-grade numbers (operands up to 50,
+products up to 108), 2 = one or two steps with numbers below 1000 (making change, gain then lose, ...).
 """
 
 from __future__ import annotations
@@ -172,20 +175,103 @@ def _buy_then_share(rng: random.Random) -> Problem:
     return q, lines, each
 
 
-_KINDS: list[Callable[[random.Random], Problem]] = [
-    _add, _subtract, _multiply, _divide, _more_than,  # one step
-    _change, _gain_then_lose, _rows_plus_extra, _together, _buy_then_share,  # two steps
-]  # fmt: skip
+# --- difficulty 1: one step, first-grade numbers ------------------------------------------------
 
 
-def _problems(rng: random.Random, num: int, keep: Callable[[str], bool]) -> list[dict]:
+def _easy_add(rng: random.Random) -> Problem:
+    name, p, friend, items = _cast(rng)
+    a, b = rng.randint(2, 30), rng.randint(2, 30)
+    wording = rng.randrange(3)
+    if wording == 0:
+        q = f"{name} has {a} {items}. {p.capitalize()} gets {b} more. How many {items} does {name} have now?"
+        line = f"{name} has {_calc(a, '+', b, a + b)} {items} now."
+    elif wording == 1:
+        q = f"{name} has {a} {items} and {friend} has {b} {items}. How many {items} do they have in all?"
+        line = f"Together they have {_calc(a, '+', b, a + b)} {items}."
+    else:
+        q = f"{name} found {a} {items} in the morning and {b} {items} in the afternoon. "
+        q += f"How many {items} did {p} find?"
+        line = f"{p.capitalize()} found {_calc(a, '+', b, a + b)} {items}."
+    return q, [line], a + b
+
+
+def _easy_subtract(rng: random.Random) -> Problem:
+    name, p, friend, items = _cast(rng)
+    a = rng.randint(10, 50)
+    b = rng.randint(1, a - 1)
+    wording = rng.randrange(3)
+    if wording == 0:
+        q = f"{name} has {a} {items}. {p.capitalize()} gives {b} to {friend}. How many {items} are left?"
+    elif wording == 1:
+        q = f"There are {a} {items} on the table. {name} takes {b} of them. How many {items} are still there?"
+    else:
+        q = f"{name} had {a} {items} and lost {b} of them. How many {items} does {p} have now?"
+    return q, [f"There are {_calc(a, '-', b, a - b)} {items} left."], a - b
+
+
+def _easy_multiply(rng: random.Random) -> Problem:
+    name, p, _, items = _cast(rng)
+    box, boxes = rng.choice(_CONTAINERS)
+    a, b = rng.randint(2, 9), rng.randint(2, 12)
+    if rng.random() < 0.5:
+        q = f"{name} has {a} {boxes}. Each {box} has {b} {items}. How many {items} does {p} have?"
+    else:
+        q = f"There are {a} {boxes} with {b} {items} in each {box}. How many {items} are there in all?"
+    return q, [f"There are {_calc(a, '*', b, a * b)} {items}."], a * b
+
+
+def _easy_divide(rng: random.Random) -> Problem:
+    name, _, _, items = _cast(rng)
+    a, b = rng.randint(2, 9), rng.randint(2, 10)
+    total = a * b
+    if rng.random() < 0.5:
+        q = f"{name} shares {total} {items} equally among {b} friends. How many {items} does each friend get?"
+        line = f"Each friend gets {_calc(total, '/', b, a)} {items}."
+    else:
+        q = f"{name} puts {total} {items} into {b} bags, the same number in each bag. "
+        q += f"How many {items} go in each bag?"
+        line = f"Each bag gets {_calc(total, '/', b, a)} {items}."
+    return q, [line], a
+
+
+def _easy_more_than(rng: random.Random) -> Problem:
+    name, _, friend, items = _cast(rng)
+    a, b = rng.randint(2, 40), rng.randint(2, 20)
+    q = f"{name} has {a} {items}. {friend} has {b} more {items} than {name}. "
+    q += f"How many {items} does {friend} have?"
+    return q, [f"{friend} has {_calc(a, '+', b, a + b)} {items}."], a + b
+
+
+DIFFICULTIES = (1, 2)
+
+_KINDS_BY_DIFFICULTY: dict[int, list[Callable[[random.Random], Problem]]] = {
+    1: [_easy_add, _easy_subtract, _easy_multiply, _easy_divide, _easy_more_than],
+    2: [
+        _add, _subtract, _multiply, _divide, _more_than,  # one step
+        _change, _gain_then_lose, _rows_plus_extra, _together, _buy_then_share,  # two steps
+    ],
+}  # fmt: skip
+
+
+def _kinds(difficulty: int) -> list[Callable[[random.Random], Problem]]:
+    if isinstance(difficulty, bool) or difficulty not in _KINDS_BY_DIFFICULTY:
+        raise ValueError(
+            f"`data.difficulty` is {difficulty!r}; choose one of: 1 (one step, small numbers), "
+            "2 (up to two steps, numbers < 1000)"
+        )
+    return _KINDS_BY_DIFFICULTY[difficulty]
+
+
+def _problems(
+    rng: random.Random, num: int, keep: Callable[[str], bool], kinds: list[Callable[[random.Random], Problem]]
+) -> list[dict]:
     """`num` distinct problems whose question passes `keep`, drawn in a fixed order from `rng`."""
     problems: list[dict] = []
     seen: set[str] = set()
     for _ in range(50 * num + 1000):
         if len(problems) == num:
             return problems
-        question, lines, result = rng.choice(_KINDS)(rng)
+        question, lines, result = rng.choice(kinds)(rng)
         assert 0 <= result < 1000, (question, result)
         if question in seen or not keep(question):
             continue
@@ -196,9 +282,9 @@ def _problems(rng: random.Random, num: int, keep: Callable[[str], bool]) -> list
     return problems
 
 
-def make_problems(num: int, seed: int) -> list[dict]:
-    """`num` distinct problems `{"question", "answer"}`, the same ones for the same seed."""
-    return _problems(random.Random(seed), num, keep=lambda question: True)
+def make_problems(num: int, seed: int, difficulty: int = 1) -> list[dict]:
+    """`num` distinct problems `{"question", "answer"}`, the same ones for the same seed and difficulty."""
+    return _problems(random.Random(seed), num, keep=lambda question: True, kinds=_kinds(difficulty))
 
 
 def _is_held_out(question: str) -> bool:
@@ -206,12 +292,13 @@ def _is_held_out(question: str) -> bool:
     return hashlib.sha256(question.encode()).digest()[0] % 8 == 0
 
 
-def make_examples(num: int, seed: int, split: str = "train") -> list[Example]:
+def make_examples(num: int, seed: int, split: str = "train", difficulty: int = 1) -> list[Example]:
     """`num` problems as Examples; any split but "train" (eval, test, ...) is held out from train.
 
     Held-out splits draw from a seed derived from (seed, split) and keep only questions whose
     hash falls in the held-out eighth of the space, so they never overlap the train split.
     """
+    kinds = _kinds(difficulty)
     if split == "train":
         rng, keep = random.Random(seed), (lambda question: not _is_held_out(question))
     else:
@@ -224,5 +311,5 @@ def make_examples(num: int, seed: int, split: str = "train") -> list[Example]:
             answer=row["answer"].rsplit("####", 1)[1].strip(),
             metadata={"solution": row["answer"], "source": "synthetic"},
         )
-        for i, row in enumerate(_problems(rng, num, keep))
+        for i, row in enumerate(_problems(rng, num, keep, kinds))
     ]

@@ -131,12 +131,15 @@ def load_gsm8k(source: str, split: str = "train", limit: int = 0) -> list[Exampl
     return examples
 
 
-def load_examples(dataset: str, split: str, num_examples: int, seed: int) -> list[Example]:
-    """Prompts for a run: "synthetic" generates `num_examples` problems from `seed`; any other
-    `dataset` is a GSM8K source for `load_gsm8k` (first `num_examples` rows, 0 = all; no seed).
+def load_examples(
+    dataset: str, split: str, num_examples: int, seed: int, *, difficulty: int = 1
+) -> list[Example]:
+    """Prompts for a run: "synthetic" generates `num_examples` problems from `seed` at `difficulty`
+    (1 or 2); any other `dataset` is a GSM8K source for `load_gsm8k` (first `num_examples` rows,
+    0 = all; no seed, and `difficulty` is ignored).
     """
     if dataset == "synthetic":
         if num_examples <= 0:
             raise ValueError(f"dataset 'synthetic' needs num_examples > 0, got {num_examples}")
-        return arithmetic.make_examples(num_examples, seed, split)
+        return arithmetic.make_examples(num_examples, seed, split, difficulty=difficulty)
     return load_gsm8k(dataset, split, limit=num_examples)

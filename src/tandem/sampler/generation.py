@@ -77,7 +77,14 @@ class Generation:
 def sample_next(
     logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of logits [N, V]; returns (ids [N], log p of those ids [N])."""
+    """Draw one token per row of logits [N, V]; returns (ids [N], log p of those ids [N]).
+
+    temperature 0 is greedy decoding (log-probs then at temperature 1).
+    """
+    if temperature == 0:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        ids = logprobs.argmax(dim=-1)
+        return ids, logprobs.gather(1, ids[:, None]).squeeze(1)
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     scores = logprobs
     if top_k > 0 and top_k < scores.shape[-1]:

@@ -67,7 +67,8 @@ def train_grpo(cfg: Config) -> Path:
         if cfg.model.reference:
             check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.reference))
 
-    examples = load_examples(cfg.data.dataset, cfg.data.split, cfg.data.num_examples, cfg.seed)
+    examples = load_examples(cfg.data.dataset, cfg.data.split, cfg.data.num_examples, cfg.seed,
+                             difficulty=cfg.data.difficulty)
     stream = PromptStream(examples, cfg.grpo.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
     optimizer = build_optimizer(policy, tc)
     scheduler = build_scheduler(optimizer, tc)
@@ -161,7 +162,7 @@ def optimizer_step(policy, optimizer, scheduler, scaler, samples, cfg: Config, d
             loss_agg=gc.loss_agg, normalizer=normalizer, max_completion_length=cfg.sampling.max_new_tokens,
         )
         (scaler.scale(loss) if scaler else loss).backward()
-        stats["loss"] += float(loss)
+        stats["loss"] += float(loss.detach())
         for key in ("kl", "clip_fraction", "ratio_abs_dev"):
             stats[key] += s[key] * s["num_tokens"]
         num_tokens += s["num_tokens"]

@@ -1,0 +1,6 @@
+"""A user reward function for tests, loaded by import path `tiny_rewards:digit_count`."""
+
+
+def digit_count(response: str, example) -> float:
+    """Gives random models a reward with variance: the number of digits in the response, capped."""
+    return float(min(sum(ch.isdigit() for ch in response), 5))
