@@ -69,12 +69,13 @@ def linear_token_logprobs(
     targets: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
 ) -> torch.Tensor:
     """log softmax(hidden @ weight.T / temperature) at `targets`.
 
     hidden [N, H], weight [V, H] (the output embedding), targets [N] -> [N] float32.
-    Differentiable in hidden and weight; never holds more than chunk_size x V logits.
+    Differentiable in hidden and weight; never holds more than chunk_size x V logits (256 x 49,152
+    fp32 = 50 MB for the embedded model; the matmul is as fast at 256 rows as at 1024 on a CPU).
     """
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)

@@ -80,7 +80,7 @@ def packed_logprobs(
     *,
     temperature: float = 1.0,
     head_dtype: torch.dtype | None = torch.float32,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
 ) -> torch.Tensor:
     """log p(token | prompt, earlier tokens of the same completion): [num_completions, T] float32.
 

@@ -54,7 +54,8 @@ def train_grpo(cfg: Config) -> Path:
                     trust_remote_code=cfg.model.trust_remote_code, device=device)
     policy = load_causal_lm(cfg.model.policy, dtype=cfg.model.dtype, **model_kw)
     if tc.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+        enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
+        enable()
     policy.config.use_cache = False
     # generation needs its own copy only when it runs in another precision than training
     rollout_model = policy
@@ -177,6 +178,9 @@ def optimizer_step(policy, optimizer, scheduler, scaler, samples, cfg: Config, d
     else:
         optimizer.step()
     scheduler.step()
+    # free the gradients now rather than at the next zero_grad: generation of the next batch
+    # then runs without a model-sized buffer held (peak memory)
+    optimizer.zero_grad(set_to_none=True)
     for key in ("kl", "clip_fraction", "ratio_abs_dev"):
         stats[key] /= max(num_tokens, 1.0)
     return {**stats, "grad_norm": grad_norm, "lr": lr, "num_train_sequences": len(samples),

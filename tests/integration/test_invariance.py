@@ -1,0 +1,69 @@
+"""Invariance classes of the update: how a batch is cut into micro-batches does not change it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tandem.config import RewardSpec, load_config
+from tandem.data.gsm8k import load_examples
+from tandem.models.loading import check_same_tokenizer
+from tandem.rewards.registry import RewardSet
+from tandem.sampler.rollout import Rollout
+from tandem.trainer.batching import flatten_groups
+from tandem.trainer.grpo import optimizer_step
+from tandem.trainer.optim import build_scheduler
+
+
+def _groups(model, tokenizer):
+    rollout = Rollout(
+        policy=model, reference=model, tokenizer=tokenizer,
+        rewards=RewardSet.from_specs([RewardSpec("function", function="tiny_rewards:digit_count")]),
+        system_prompt="", num_shots=0, prefill="", num_generations=4, max_new_tokens=10,
+        generator=torch.Generator().manual_seed(0),
+    )
+    return rollout.run(load_examples("synthetic", "train", 2, seed=0), policy_version=0)
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_1_x_accumulation_8_equals_8_x_1(tiny_model, tiny_model_dir, loss_agg):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    groups = _groups(tiny_model, tokenizer)
+    samples = flatten_groups(groups, scale_rewards="group", adv_eps=1e-4, skip_zero_variance=False)
+    assert len(samples) == 8 and any(s.advantage != 0 for s in samples)
+
+    results = []
+    for micro, accum in ((8, 1), (1, 8), (2, 4)):
+        cfg = load_config(None, [
+            f"training.micro_batch_size={micro}", f"training.gradient_accumulation_steps={accum}",
+            "grpo.prompts_per_step=2", f"grpo.loss_agg={loss_agg}",
+            "sampling.max_new_tokens=10",
+        ])
+        model = copy.deepcopy(tiny_model).train()
+        # plain SGD with lr 1: the parameter change is the gradient itself (Adam's first step
+        # would blow fp32 rounding of near-zero gradients up to +-lr)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        stats = optimizer_step(model, optimizer, build_scheduler(optimizer, cfg.training), None, samples, cfg,
+                               torch.device("cpu"))
+        results.append((stats, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+
+    (ref_stats, ref_params), others = results[0], results[1:]
+    for stats, params in others:
+        assert stats["loss"] == pytest.approx(ref_stats["loss"], rel=1e-5, abs=1e-7)
+        assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5)
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_reference_with_another_tokenizer_is_refused(tiny_model_dir):
+    from conftest import make_tiny_tokenizer
+
+    policy = AutoTokenizer.from_pretrained(tiny_model_dir)
+    other = make_tiny_tokenizer()
+    other.add_tokens(["<extra>"])
+    check_same_tokenizer(policy, AutoTokenizer.from_pretrained(tiny_model_dir))
+    with pytest.raises(ValueError, match="different tokenizer"):
+        check_same_tokenizer(policy, other)
