@@ -23,19 +23,40 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TRL = {"step_seconds": 116.0, "peak_rss_gb": 10.1, "generate": 29.5, "reference": 16.6,
-       "policy_forward": 19.5, "backward_optimizer": 50.8, "hf_generate_tok_s_b32": 137.0}
+TRL = {
+    "step_seconds": 116.0,
+    "peak_rss_gb": 10.1,
+    "generate": 29.5,
+    "reference": 16.6,
+    "policy_forward": 19.5,
+    "backward_optimizer": 50.8,
+    "hf_generate_tok_s_b32": 137.0,
+}
 
 OVERRIDES = [
-    "data.num_shots=0", "data.prefill=", "grpo.skip_zero_variance_groups=false",
-    "training.learning_rate=1e-6", "training.warmup_steps=0", "training.save_steps=0",
-    "training.sample_log_steps=0", "grpo.kl_coef=0.04",
+    "data.num_shots=0",
+    "data.prefill=",
+    "grpo.skip_zero_variance_groups=false",
+    "training.learning_rate=1e-6",
+    "training.warmup_steps=0",
+    "training.save_steps=0",
+    "training.sample_log_steps=0",
+    "grpo.kl_coef=0.04",
 ]
 
 
 def run_ours(steps: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "tandem.cli", "grpo", str(HERE.parent / "configs" / "grpo_tiny.yaml"),
-           "experiment_name=bench", f"output_dir={out}", f"training.max_steps={steps}", *OVERRIDES]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "grpo",
+        str(HERE.parent / "configs" / "grpo_tiny.yaml"),
+        "experiment_name=bench",
+        f"output_dir={out}",
+        f"training.max_steps={steps}",
+        *OVERRIDES,
+    ]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
@@ -47,10 +68,15 @@ def run_ours(steps: int, out: Path) -> dict:
         return statistics.median(r[key] for r in timed)
 
     return {
-        "steps": len(rows), "wall_seconds_incl_load": wall, "peak_rss_gb": peak_gb,
-        "step_seconds": median("step_seconds"), "generate": median("time_generate"),
-        "reference": median("time_reference"), "train_forward_backward": median("time_train"),
-        "optimizer": median("time_optimizer"), "tokens_generated": median("tokens_generated"),
+        "steps": len(rows),
+        "wall_seconds_incl_load": wall,
+        "peak_rss_gb": peak_gb,
+        "step_seconds": median("step_seconds"),
+        "generate": median("time_generate"),
+        "reference": median("time_reference"),
+        "train_forward_backward": median("time_train"),
+        "optimizer": median("time_optimizer"),
+        "tokens_generated": median("tokens_generated"),
         "generate_tokens_per_second": median("generate_tokens_per_second"),
         "tokens_per_second": median("tokens_generated") / median("step_seconds"),
         "rows": rows,
@@ -80,9 +106,13 @@ def run_anchor() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--skip-anchor", action="store_true", help="skip the HF generate machine-speed anchor")
+    parser.add_argument(
+        "--skip-anchor", action="store_true", help="skip the HF generate machine-speed anchor"
+    )
     parser.add_argument("--out", default=str(HERE / "results" / "grpo_step.json"))
     args = parser.parse_args()
 
@@ -103,7 +133,11 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     summary = {k: v for k, v in ours.items() if k != "rows"}
-    print(json.dumps({"ours": summary, **{k: v for k, v in result.items() if k not in ("ours", "setting")}}, indent=1))
+    print(
+        json.dumps(
+            {"ours": summary, **{k: v for k, v in result.items() if k not in ("ours", "setting")}}, indent=1
+        )
+    )
     print(f"wrote {args.out}")
 
 

@@ -1,9 +1,9 @@
 """The `tandem` command: `tandem COMMAND --help` for each.
 
-  tandem grpo [CONFIG.yaml] [key=value ...]   GRPO, colocated in one process
-  tandem eval --model PATH|embedded ...         answer/format accuracy of a model
-  tandem plot RUN_DIR [RUN_DIR ...]             PNG curves from metrics.jsonl
-  tandem doctor                                 what this machine and install can run
+tandem grpo [CONFIG.yaml] [key=value ...]   GRPO, colocated in one process
+tandem eval --model PATH|embedded ...         answer/format accuracy of a model
+tandem plot RUN_DIR [RUN_DIR ...]             PNG curves from metrics.jsonl
+tandem doctor                                 what this machine and install can run
 """
 
 from __future__ import annotations
@@ -36,11 +36,20 @@ def cmd_eval(args) -> int:
     from tandem.trainer.evaluate import evaluate
 
     result = evaluate(
-        model=args.model, dataset=args.dataset, split=args.split, num_examples=args.num_examples,
+        model=args.model,
+        dataset=args.dataset,
+        split=args.split,
+        num_examples=args.num_examples,
         difficulty=args.difficulty,
-        num_shots=args.num_shots, prefill=args.prefill, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, num_samples=args.num_samples, batch_size=args.batch_size,
-        dtype=args.dtype, seed=args.seed, device=args.device,
+        num_shots=args.num_shots,
+        prefill=args.prefill,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        num_samples=args.num_samples,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        seed=args.seed,
+        device=args.device,
     )
     summary = {k: v for k, v in result.items() if k != "rows"}
     print(json.dumps(summary, indent=1))
@@ -72,16 +81,22 @@ def cmd_doctor(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("grpo", help="GRPO in one process (generation and training colocated)")
     p.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. training.learning_rate=1e-5")
+    p.add_argument(
+        "overrides", nargs="*", help="dotted key=value overrides, e.g. training.learning_rate=1e-5"
+    )
     p.set_defaults(func=cmd_grpo)
 
     p = sub.add_parser("eval", help="answer and format accuracy of a model on GSM8K-format data")
-    p.add_argument("--model", default="embedded", help="HF folder, checkpoint folder, .gguf, hub id or `embedded`")
+    p.add_argument(
+        "--model", default="embedded", help="HF folder, checkpoint folder, .gguf, hub id or `embedded`"
+    )
     p.add_argument("--dataset", default="synthetic", help="synthetic | gsm8k | path to .jsonl/.parquet")
     p.add_argument("--split", default="test", help="synthetic: any split other than train is held out")
     p.add_argument("--num-examples", type=int, default=200)

@@ -12,12 +12,23 @@ pytestmark = pytest.mark.slow
 
 
 def test_grpo_then_plot_then_eval_on_the_embedded_model(tmp_path, capsys):
-    rc = main([
-        "grpo", "configs/grpo_tiny.yaml", f"output_dir={tmp_path}", "experiment_name=e2e",
-        "training.max_steps=1", "grpo.prompts_per_step=2", "sampling.num_generations=2",
-        "sampling.max_new_tokens=12", "training.micro_batch_size=4", "training.gradient_accumulation_steps=1",
-        "training.gradient_checkpointing=false", "training.save_steps=0", "grpo.skip_zero_variance_groups=false",
-    ])
+    rc = main(
+        [
+            "grpo",
+            "configs/grpo_tiny.yaml",
+            f"output_dir={tmp_path}",
+            "experiment_name=e2e",
+            "training.max_steps=1",
+            "grpo.prompts_per_step=2",
+            "sampling.num_generations=2",
+            "sampling.max_new_tokens=12",
+            "training.micro_batch_size=4",
+            "training.gradient_accumulation_steps=1",
+            "training.gradient_checkpointing=false",
+            "training.save_steps=0",
+            "grpo.skip_zero_variance_groups=false",
+        ]
+    )
     assert rc == 0
     run = tmp_path / "e2e"
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
@@ -28,8 +39,22 @@ def test_grpo_then_plot_then_eval_on_the_embedded_model(tmp_path, capsys):
     assert (run / "plots" / "accuracy.png").stat().st_size > 1000
 
     out = tmp_path / "eval.json"
-    assert main(["eval", "--model", str(run / "final"), "--num-examples", "3", "--max-new-tokens", "12",
-                 "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(run / "final"),
+                "--num-examples",
+                "3",
+                "--max-new-tokens",
+                "12",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["num_examples"] == 3 and len(result["rows"]) == 3
     assert 0.0 <= result["answer_accuracy"] <= 1.0

@@ -16,17 +16,30 @@ from tandem.trainer.metrics import REQUIRED_FIELDS
 
 
 def tiny_config(model_dir, out_dir, name, *overrides):
-    return load_config(None, [
-        f"experiment_name={name}", f"output_dir={out_dir}", "seed=3",
-        f"model.policy={model_dir}", "sampling.dtype=float32", "sampling.max_new_tokens=8",
-        "sampling.num_generations=4", "sampling.batch_size=8",
-        "data.num_examples=20", "data.num_shots=0",
-        "rewards=[{type: answer}, {type: format}, {type: function, function: 'tiny_rewards:digit_count'}]",
-        "grpo.prompts_per_step=2", "grpo.kl_coef=0.04",
-        "training.micro_batch_size=2", "training.gradient_accumulation_steps=4",
-        "training.learning_rate=1e-3", "training.device=cpu", "training.sample_log_steps=1",
-        *overrides,
-    ])
+    return load_config(
+        None,
+        [
+            f"experiment_name={name}",
+            f"output_dir={out_dir}",
+            "seed=3",
+            f"model.policy={model_dir}",
+            "sampling.dtype=float32",
+            "sampling.max_new_tokens=8",
+            "sampling.num_generations=4",
+            "sampling.batch_size=8",
+            "data.num_examples=20",
+            "data.num_shots=0",
+            "rewards=[{type: answer}, {type: format}, {type: function, function: 'tiny_rewards:digit_count'}]",
+            "grpo.prompts_per_step=2",
+            "grpo.kl_coef=0.04",
+            "training.micro_batch_size=2",
+            "training.gradient_accumulation_steps=4",
+            "training.learning_rate=1e-3",
+            "training.device=cpu",
+            "training.sample_log_steps=1",
+            *overrides,
+        ],
+    )
 
 
 def weights(folder):
@@ -67,8 +80,16 @@ def test_resume_equals_uninterrupted_bit_for_bit(tiny_model_dir, tmp_path):
 
     common = ("training.save_steps=2",)
     train_grpo(tiny_config(tiny_model_dir, tmp_path, "resumed", "training.max_steps=2", *common))
-    resumed = train_grpo(tiny_config(tiny_model_dir, tmp_path, "resumed", "training.max_steps=4",
-                                     "training.resume_from_checkpoint=latest", *common))
+    resumed = train_grpo(
+        tiny_config(
+            tiny_model_dir,
+            tmp_path,
+            "resumed",
+            "training.max_steps=4",
+            "training.resume_from_checkpoint=latest",
+            *common,
+        )
+    )
 
     a, b = weights(straight), weights(resumed)
     assert a.keys() == b.keys()
@@ -77,7 +98,37 @@ def test_resume_equals_uninterrupted_bit_for_bit(tiny_model_dir, tmp_path):
     rows_b = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
     for ra, rb in zip(rows_a, rows_b):
-        assert (ra["loss"], ra["reward_mean"], ra["grad_norm"]) == (rb["loss"], rb["reward_mean"], rb["grad_norm"])
+        assert (ra["loss"], ra["reward_mean"], ra["grad_norm"]) == (
+            rb["loss"],
+            rb["reward_mean"],
+            rb["grad_norm"],
+        )
+
+
+def test_several_updates_per_batch_and_mixed_precision(tiny_model_dir, tmp_path):
+    """num_iterations=2 and two optimizer batches per rollout: 4 steps from one batch of samples;
+    the later updates are off-policy (ratio != 1, staleness counted); bf16 autocast and the
+    TensorBoard writer run along."""
+    cfg = tiny_config(
+        tiny_model_dir,
+        tmp_path,
+        "iters",
+        "training.max_steps=4",
+        "grpo.num_iterations=2",
+        "training.gradient_accumulation_steps=2",
+        "training.mixed_precision=bf16",
+        "training.report_to=[tensorboard]",
+        "training.lr_scheduler=cosine",
+    )
+    train_grpo(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "iters" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == [0, 0, 0, 0]
+    assert [r["staleness_mean"] for r in rows] == [0.0, 1.0, 2.0, 3.0]
+    assert rows[0]["ratio_abs_dev"] < 2e-2  # bf16 forward against fp32 sampling: close, not exact
+    assert rows[3]["ratio_abs_dev"] > rows[0]["ratio_abs_dev"]
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[3]["lr"] < rows[1]["lr"]
+    assert list((tmp_path / "iters" / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_existing_run_folder_is_not_overwritten(tiny_model_dir, tmp_path):

@@ -20,9 +20,15 @@ from tandem.trainer.optim import build_scheduler
 
 def _groups(model, tokenizer):
     rollout = Rollout(
-        policy=model, reference=model, tokenizer=tokenizer,
+        policy=model,
+        reference=model,
+        tokenizer=tokenizer,
         rewards=RewardSet.from_specs([RewardSpec("function", function="tiny_rewards:digit_count")]),
-        system_prompt="", num_shots=0, prefill="", num_generations=4, max_new_tokens=10,
+        system_prompt="",
+        num_shots=0,
+        prefill="",
+        num_generations=4,
+        max_new_tokens=10,
         generator=torch.Generator().manual_seed(0),
     )
     return rollout.run(load_examples("synthetic", "train", 2, seed=0), policy_version=0)
@@ -37,17 +43,29 @@ def test_micro_batch_1_x_accumulation_8_equals_8_x_1(tiny_model, tiny_model_dir,
 
     results = []
     for micro, accum in ((8, 1), (1, 8), (2, 4)):
-        cfg = load_config(None, [
-            f"training.micro_batch_size={micro}", f"training.gradient_accumulation_steps={accum}",
-            "grpo.prompts_per_step=2", f"grpo.loss_agg={loss_agg}",
-            "sampling.max_new_tokens=10",
-        ])
+        cfg = load_config(
+            None,
+            [
+                f"training.micro_batch_size={micro}",
+                f"training.gradient_accumulation_steps={accum}",
+                "grpo.prompts_per_step=2",
+                f"grpo.loss_agg={loss_agg}",
+                "sampling.max_new_tokens=10",
+            ],
+        )
         model = copy.deepcopy(tiny_model).train()
         # plain SGD with lr 1: the parameter change is the gradient itself (Adam's first step
         # would blow fp32 rounding of near-zero gradients up to +-lr)
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        stats = optimizer_step(model, optimizer, build_scheduler(optimizer, cfg.training), None, samples, cfg,
-                               torch.device("cpu"))
+        stats = optimizer_step(
+            model,
+            optimizer,
+            build_scheduler(optimizer, cfg.training),
+            None,
+            samples,
+            cfg,
+            torch.device("cpu"),
+        )
         results.append((stats, {k: v.detach().clone() for k, v in model.state_dict().items()}))
 
     (ref_stats, ref_params), others = results[0], results[1:]

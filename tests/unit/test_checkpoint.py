@@ -29,8 +29,14 @@ class _Model(torch.nn.Module):
 def _save(tmp_path, step, model):
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return ckpt.save_checkpoint(tmp_path, step, model=model, optimizer=optimizer, scheduler=scheduler,
-                                trainer_state={"data": {"epoch": 0, "index": step}})
+    return ckpt.save_checkpoint(
+        tmp_path,
+        step,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        trainer_state={"data": {"epoch": 0, "index": step}},
+    )
 
 
 def test_failed_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
@@ -62,12 +68,18 @@ def test_killed_save_is_ignored_by_resume(tmp_path):
             time.sleep(60)
         ckpt.atomic_dir(ckpt.Path({str(tmp_path)!r}) / "step-4", slow_write)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert proc.stdout.readline().strip() == "writing"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-step-4")], "the kill left a temp folder"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-step-4")], (
+        "the kill left a temp folder"
+    )
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2]
     assert ckpt.resolve_resume("latest", tmp_path).name == "step-2"
 

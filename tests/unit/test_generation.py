@@ -18,8 +18,15 @@ def test_sampler_logprobs_equal_teacher_forced_logprobs(tiny_model):
     and training (packed rows) must score the same tokens the same way."""
     prompts = _prompts(tiny_model.config.vocab_size, (4, 9, 6))
     gen = generate_groups(
-        tiny_model, prompts, num_generations=3, max_new_tokens=10, eos_token_ids=[2], pad_token_id=0,
-        batch_size=6, temperature=0.8, generator=torch.Generator().manual_seed(1),
+        tiny_model,
+        prompts,
+        num_generations=3,
+        max_new_tokens=10,
+        eos_token_ids=[2],
+        pad_token_id=0,
+        batch_size=6,
+        temperature=0.8,
+        generator=torch.Generator().manual_seed(1),
     )
     assert len(gen.token_ids) == 9
     rows = [(p, gen.token_ids[3 * i : 3 * i + 3]) for i, p in enumerate(prompts)]
@@ -52,5 +59,7 @@ def test_greedy_and_top_k_one_agree():
 def test_top_p_keeps_only_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     g = torch.Generator().manual_seed(0)
-    drawn = {int(sample_next(logits, temperature=1.0, top_k=0, top_p=0.7, generator=g)[0]) for _ in range(200)}
+    drawn = {
+        int(sample_next(logits, temperature=1.0, top_k=0, top_p=0.7, generator=g)[0]) for _ in range(200)
+    }
     assert drawn == {0, 1}  # 0.5 < 0.7 so the second token is needed; 0.8 >= 0.7 stops there

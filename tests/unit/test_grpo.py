@@ -18,7 +18,9 @@ def test_group_advantages_by_hand():
     adv = group_advantages(rewards, 2, eps=0.0)
     torch.testing.assert_close(adv, torch.tensor([1 / math.sqrt(2), -1 / math.sqrt(2), 0.0, 0.0]))
     # none (Dr. GRPO): only centred
-    torch.testing.assert_close(group_advantages(rewards, 2, scale="none"), torch.tensor([2.125, -2.125, 0.0, 0.0]))
+    torch.testing.assert_close(
+        group_advantages(rewards, 2, scale="none"), torch.tensor([2.125, -2.125, 0.0, 0.0])
+    )
     # batch: centred by the group, scaled by the std of all four rewards (unbiased: 1.7545)
     batch_std = torch.tensor([2.25, -2.0, 0.0, 0.0]).std()
     torch.testing.assert_close(
@@ -60,8 +62,16 @@ def test_separate_low_and_high_clip():
     # ratio 1.25 with A = +1: the high clip 1 + 0.28 = 1.28 does not bind: 1.25
     new = torch.log(torch.tensor([[0.7], [1.25]]))
     old = torch.zeros(2, 1)
-    loss, _ = grpo_loss(new, old, None, torch.tensor([-1.0, 1.0]), torch.ones(2, 1, dtype=torch.bool),
-                        clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0)
+    loss, _ = grpo_loss(
+        new,
+        old,
+        None,
+        torch.tensor([-1.0, 1.0]),
+        torch.ones(2, 1, dtype=torch.bool),
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        kl_coef=0.0,
+    )
     assert loss.item() == pytest.approx(-(-0.8 + 1.25) / 2, abs=1e-6)
 
 
@@ -102,10 +112,21 @@ def _random_batch(seed, batch=6, width=7):
 @pytest.mark.parametrize("agg", LOSS_AGGREGATIONS)
 def test_matches_naive_reimplementation(agg):
     new, old, ref, adv, mask = _random_batch(0)
-    loss, _ = grpo_loss(new, old, ref, adv, mask, clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.04,
-                        loss_agg=agg, max_completion_length=10)
-    expected = _naive_grpo_loss(new.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
-                                0.2, 0.28, 0.04, agg, 10)
+    loss, _ = grpo_loss(
+        new,
+        old,
+        ref,
+        adv,
+        mask,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        kl_coef=0.04,
+        loss_agg=agg,
+        max_completion_length=10,
+    )
+    expected = _naive_grpo_loss(
+        new.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, 0.04, agg, 10
+    )
     assert loss.item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
 
 
@@ -122,8 +143,16 @@ def test_micro_batches_with_global_normaliser_sum_to_the_full_batch(agg):
     for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):
         # micro-batches are padded to their own width: the aggregation must not depend on it
         width = int(mask[rows].sum(1).max())
-        part, _ = grpo_loss(new[rows, :width], old[rows, :width], ref[rows, :width], adv[rows], mask[rows, :width],
-                            loss_agg=agg, normalizer=normalizer, max_completion_length=7)
+        part, _ = grpo_loss(
+            new[rows, :width],
+            old[rows, :width],
+            ref[rows, :width],
+            adv[rows],
+            mask[rows, :width],
+            loss_agg=agg,
+            normalizer=normalizer,
+            max_completion_length=7,
+        )
         part.backward()
         parts += part.item()
     assert parts == pytest.approx(full.item(), rel=1e-12)

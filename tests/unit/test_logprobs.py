@@ -23,7 +23,9 @@ def test_fused_head_matches_full_log_softmax_values_and_grads(temperature, chunk
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
 
-    naive = torch.log_softmax((hidden @ weight.T) / temperature, dim=-1).gather(1, targets[:, None]).squeeze(1)
+    naive = (
+        torch.log_softmax((hidden @ weight.T) / temperature, dim=-1).gather(1, targets[:, None]).squeeze(1)
+    )
     (naive * upstream).sum().backward()
     # the fused head works in float32 logits, whatever the input dtype
     torch.testing.assert_close(ours.double(), naive, rtol=1e-5, atol=1e-5)
@@ -38,8 +40,11 @@ def test_fused_head_passes_gradcheck_in_float64_weights():
     targets = torch.tensor([0, 6, 3, 3])
     # float32 logits inside: loose tolerances, but the analytic backward must agree
     assert torch.autograd.gradcheck(
-        lambda h, w: linear_token_logprobs(h, w, targets, chunk_size=2).double(), (hidden, weight),
-        eps=1e-3, atol=1e-3, rtol=1e-3,
+        lambda h, w: linear_token_logprobs(h, w, targets, chunk_size=2).double(),
+        (hidden, weight),
+        eps=1e-3,
+        atol=1e-3,
+        rtol=1e-3,
     )
 
 
@@ -54,7 +59,9 @@ def test_packed_rows_equal_each_sequence_scored_alone(tiny_model):
     g = torch.Generator().manual_seed(0)
     vocab = tiny_model.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 9)]
-    completions = [[torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens] for lens in ((4, 1, 6), (3, 0))]
+    completions = [
+        [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens] for lens in ((4, 1, 6), (3, 0))
+    ]
     packed = pack_rows(list(zip(prompts, completions)))
     with torch.no_grad():
         out = packed_logprobs(tiny_model, packed)

@@ -19,6 +19,9 @@ def test_shipped_config_is_valid(path):
 
 def test_the_seed_reproduction_matches_the_seed():
     cfg = load_config(Path(__file__).parents[2] / "configs" / "grpo_gsm8k_qwen2.5_1.5b.yaml")
-    assert (cfg.model.policy, cfg.model.reference) == ("Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-3B-Instruct")
+    assert (cfg.model.policy, cfg.model.reference) == (
+        "Qwen/Qwen2.5-1.5B-Instruct",
+        "Qwen/Qwen2.5-3B-Instruct",
+    )
     assert cfg.training.max_steps == 200 and cfg.grpo.kl_coef == 0.04
     assert [r.type for r in cfg.rewards] == ["answer", "format"]

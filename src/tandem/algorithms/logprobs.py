@@ -82,7 +82,9 @@ def linear_token_logprobs(
     return _LinearTokenLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk_size))
 
 
-def logits_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def logits_token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """The straightforward reference: log_softmax(logits / T) gathered at targets. [..., V] -> [...]."""
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

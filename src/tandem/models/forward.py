@@ -66,11 +66,13 @@ def pack_rows(rows: list[tuple[list[int], list[list[int]]]], pad_id: int = 0) ->
     causal = q[None, :] <= q[:, None]  # [L(query), L(key)]
     visible = (segment[:, None, :] == 0) | (segment[:, None, :] == segment[:, :, None])  # [R, Lq, Lk]
     return PackedRows(
-        input_ids=input_ids, position_ids=position_ids,
+        input_ids=input_ids,
+        position_ids=position_ids,
         attention_mask=(causal[None] & visible)[:, None],
         predict_rows=torch.tensor(pred_rows, dtype=torch.long),
         predict_cols=torch.tensor(pred_cols, dtype=torch.long),
-        targets=torch.tensor(targets, dtype=torch.long), completion_lengths=lengths,
+        targets=torch.tensor(targets, dtype=torch.long),
+        completion_lengths=lengths,
     )
 
 
@@ -88,19 +90,26 @@ def packed_logprobs(
     dtype of the output projection (fp32 by default, whatever the body's precision).
     """
     lengths = packed.completion_lengths
-    out = torch.zeros(len(lengths), max(lengths, default=0), dtype=torch.float32, device=packed.input_ids.device)
+    out = torch.zeros(
+        len(lengths), max(lengths, default=0), dtype=torch.float32, device=packed.input_ids.device
+    )
     if packed.targets.numel() == 0:
         return out
     hidden = model.get_decoder()(
-        input_ids=packed.input_ids, position_ids=packed.position_ids,
-        attention_mask=packed.attention_mask, use_cache=False,
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        attention_mask=packed.attention_mask,
+        use_cache=False,
     ).last_hidden_state  # [R, L, H]
     weight = model.get_output_embeddings().weight
     if head_dtype is not None and weight.dtype != head_dtype:
         weight = weight.to(head_dtype)
     token_logprobs = linear_token_logprobs(
-        hidden[packed.predict_rows, packed.predict_cols], weight, packed.targets,
-        temperature=temperature, chunk_size=chunk_size,
+        hidden[packed.predict_rows, packed.predict_cols],
+        weight,
+        packed.targets,
+        temperature=temperature,
+        chunk_size=chunk_size,
     )
     lengths_t = torch.tensor(lengths, device=out.device)
     rows = torch.repeat_interleave(torch.arange(len(lengths), device=out.device), lengths_t)

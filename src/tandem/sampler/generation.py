@@ -122,8 +122,16 @@ def generate_groups(
     for start in range(0, len(prompts), prompts_per_batch):
         chunk = prompts[start : start + prompts_per_batch]
         part = _generate_chunk(
-            model, chunk, num_generations, max_new_tokens, eos_token_ids, pad_token_id,
-            temperature, top_k, top_p, generator,
+            model,
+            chunk,
+            num_generations,
+            max_new_tokens,
+            eos_token_ids,
+            pad_token_id,
+            temperature,
+            top_k,
+            top_p,
+            generator,
         )
         result.token_ids += part.token_ids
         result.logprobs += part.logprobs
@@ -132,8 +140,16 @@ def generate_groups(
 
 
 def _generate_chunk(
-    model, prompts, num_generations, max_new_tokens, eos_token_ids, pad_token_id,
-    temperature, top_k, top_p, generator,
+    model,
+    prompts,
+    num_generations,
+    max_new_tokens,
+    eos_token_ids,
+    pad_token_id,
+    temperature,
+    top_k,
+    top_p,
+    generator,
 ) -> Generation:
     device = next(model.parameters()).device
     num_rows = len(prompts) * num_generations
@@ -147,8 +163,12 @@ def _generate_chunk(
 
     cache = _kv_cache(model, width + max_new_tokens)
     out = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=cache, use_cache=True, logits_to_keep=1,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
     )
     cache.batch_repeat_interleave(num_generations)
     logits = out.logits[:, -1].repeat_interleave(num_generations, dim=0)
@@ -172,11 +192,19 @@ def _generate_chunk(
         if bool(done.any()):
             keep = (~done).nonzero().squeeze(1)
             cache.batch_select_indices(keep)
-            active, ids, attention_mask, next_position = active[keep], ids[keep], attention_mask[keep], next_position[keep]
+            active, ids, attention_mask, next_position = (
+                active[keep],
+                ids[keep],
+                attention_mask[keep],
+                next_position[keep],
+            )
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], dim=1)
         out = model(
-            input_ids=ids[:, None], attention_mask=attention_mask, position_ids=next_position,
-            past_key_values=cache, use_cache=True,
+            input_ids=ids[:, None],
+            attention_mask=attention_mask,
+            position_ids=next_position,
+            past_key_values=cache,
+            use_cache=True,
         )
         next_position = next_position + 1
         logits = out.logits[:, -1]

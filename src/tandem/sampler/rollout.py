@@ -53,7 +53,9 @@ class Rollout:
 
     def prompt(self, example: Example) -> tuple[str, list[int]]:
         if example.question not in self._prompt_cache:
-            text = render_prompt(self.tokenizer, example.question, self.system_prompt, self.num_shots, self.prefill)
+            text = render_prompt(
+                self.tokenizer, example.question, self.system_prompt, self.num_shots, self.prefill
+            )
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             self._prompt_cache[example.question] = (text, ids)
         return self._prompt_cache[example.question]
@@ -65,11 +67,17 @@ class Rollout:
         t0 = time.perf_counter()
         self.policy.eval()
         gen = generate_groups(
-            self.policy, [ids for _, ids in prompts],
-            num_generations=self.num_generations, max_new_tokens=self.max_new_tokens,
-            eos_token_ids=eos_token_ids(self.tokenizer, self.policy), pad_token_id=self.tokenizer.pad_token_id,
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            batch_size=self.batch_size, generator=self.generator,
+            self.policy,
+            [ids for _, ids in prompts],
+            num_generations=self.num_generations,
+            max_new_tokens=self.max_new_tokens,
+            eos_token_ids=eos_token_ids(self.tokenizer, self.policy),
+            pad_token_id=self.tokenizer.pad_token_id,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            batch_size=self.batch_size,
+            generator=self.generator,
         )
         timings.generate = time.perf_counter() - t0
 
@@ -84,12 +92,17 @@ class Rollout:
             example = examples[i // self.num_generations]
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             reward, info = self.rewards.score(self.prefill + text, example)
-            completions.append(Completion(
-                text=text, generated_token_ids=token_ids, is_finished=gen.finished[i],
-                reward=reward, reward_info=info,
-                old_policy_log_probs=torch.tensor(gen.logprobs[i], dtype=torch.float32),
-                ref_policy_log_probs=None if ref_logprobs is None else ref_logprobs[i],
-            ))
+            completions.append(
+                Completion(
+                    text=text,
+                    generated_token_ids=token_ids,
+                    is_finished=gen.finished[i],
+                    reward=reward,
+                    reward_info=info,
+                    old_policy_log_probs=torch.tensor(gen.logprobs[i], dtype=torch.float32),
+                    ref_policy_log_probs=None if ref_logprobs is None else ref_logprobs[i],
+                )
+            )
         # group statistics live here; batch scaling (if chosen) is redone by the trainer
         scale = "none" if self.scale_rewards == "batch" else self.scale_rewards
         advantages = group_advantages(
@@ -103,16 +116,23 @@ class Rollout:
         G = self.num_generations
         return [
             Group(
-                group_id=uuid.uuid4().hex, prompt_id=ex.prompt_id, prefix=text, prefix_token_ids=ids,
-                completions=completions[j * G : (j + 1) * G], policy_version=policy_version,
-                sampler_id=self.sampler_id, created_at=time.time(),
+                group_id=uuid.uuid4().hex,
+                prompt_id=ex.prompt_id,
+                prefix=text,
+                prefix_token_ids=ids,
+                completions=completions[j * G : (j + 1) * G],
+                policy_version=policy_version,
+                sampler_id=self.sampler_id,
+                created_at=time.time(),
                 metadata={"answer": ex.answer, **ex.metadata},
             )
             for j, (ex, (text, ids)) in enumerate(zip(examples, prompts))
         ]
 
     @torch.inference_mode()
-    def reference_logprobs(self, prompts: list[list[int]], completions: list[list[int]]) -> list[torch.Tensor] | None:
+    def reference_logprobs(
+        self, prompts: list[list[int]], completions: list[list[int]]
+    ) -> list[torch.Tensor] | None:
         """Frozen reference log-probs; each group is one packed row (its prompt computed once)."""
         if self.reference is None:
             return None

@@ -42,7 +42,9 @@ def flatten_groups(
     """Samples of every group, in order; batch reward scaling is applied here, across all groups."""
     if scale_rewards == "batch" and groups:
         rewards = torch.tensor([r for g in groups for r in g.rewards])
-        advantages = group_advantages(rewards, len(groups[0].completions), scale="batch", eps=adv_eps).tolist()
+        advantages = group_advantages(
+            rewards, len(groups[0].completions), scale="batch", eps=adv_eps
+        ).tolist()
     else:
         advantages = [c.advantage for g in groups for c in g.completions]
     samples, k = [], 0
@@ -50,10 +52,17 @@ def flatten_groups(
         flat = len(set(g.rewards)) <= 1
         for c in g.completions:
             if not (skip_zero_variance and flat):
-                samples.append(Sample(
-                    g.prefix_token_ids, c.generated_token_ids, c.old_policy_log_probs,
-                    c.ref_policy_log_probs, advantages[k], g.policy_version, index,
-                ))
+                samples.append(
+                    Sample(
+                        g.prefix_token_ids,
+                        c.generated_token_ids,
+                        c.old_policy_log_probs,
+                        c.ref_policy_log_probs,
+                        advantages[k],
+                        g.policy_version,
+                        index,
+                    )
+                )
             k += 1
     return samples
 
@@ -77,7 +86,9 @@ def collate(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
 
     has_ref = all(s.ref_logprobs is not None for s in samples)
     return MicroBatch(
-        packed=pack_rows(rows, pad_id), completion_mask=mask, sampler_logprobs=pad([s.sampler_logprobs for s in samples]),
+        packed=pack_rows(rows, pad_id),
+        completion_mask=mask,
+        sampler_logprobs=pad([s.sampler_logprobs for s in samples]),
         ref_logprobs=pad([s.ref_logprobs for s in samples]) if has_ref else None,
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
     )

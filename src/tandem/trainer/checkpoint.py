@@ -117,7 +117,9 @@ def resolve_resume(spec: str | None, checkpoints_dir: Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, *, model, optimizer, scheduler, generator: torch.Generator | None = None) -> dict:
+def load_checkpoint(
+    path: Path, *, model, optimizer, scheduler, generator: torch.Generator | None = None
+) -> dict:
     """Restore everything save_checkpoint wrote; returns the trainer state dict."""
     from safetensors.torch import load_file
 
@@ -129,7 +131,9 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, generator: torch
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
     if missing or unexpected:
-        raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise RuntimeError(
+            f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     rng = torch.load(path / "rng.pt", weights_only=True)

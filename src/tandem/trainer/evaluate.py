@@ -1,6 +1,6 @@
 """`tandem eval`: answer and format accuracy of a model on GSM8K-format questions, batched.
 
-  tandem eval --model runs/grpo_tiny/final --dataset synthetic --split test --num-examples 200
+tandem eval --model runs/grpo_tiny/final --dataset synthetic --split test --num-examples 200
 """
 
 from __future__ import annotations
@@ -55,11 +55,19 @@ def evaluate(
     policy = load_causal_lm(spec, dtype=dtype, trainable=False, device=resolve_device(device))
     examples = load_examples(dataset, split, num_examples, seed, difficulty=difficulty)
     rollout = Rollout(
-        policy=policy, reference=None, tokenizer=tokenizer,
+        policy=policy,
+        reference=None,
+        tokenizer=tokenizer,
         rewards=RewardSet.from_specs([RewardSpec("answer"), RewardSpec("format")]),
-        system_prompt=system_prompt, num_shots=num_shots, prefill=prefill, num_generations=num_samples,
-        max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
-        scale_rewards="none", generator=torch.Generator().manual_seed(seed),
+        system_prompt=system_prompt,
+        num_shots=num_shots,
+        prefill=prefill,
+        num_generations=num_samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        batch_size=batch_size,
+        scale_rewards="none",
+        generator=torch.Generator().manual_seed(seed),
     )
     start = time.perf_counter()
     groups = rollout.run(examples, policy_version=0)
@@ -68,16 +76,27 @@ def evaluate(
     for example, group in zip(examples, groups):
         for c in group.completions:
             response = prefill + c.text
-            rows.append({
-                "prompt_id": example.prompt_id, "question": example.question, "answer": example.answer,
-                "response": response, "correct": answer_reward(response, example.answer) > 0,
-                "formatted": format_reward(response) > 0, "num_tokens": len(c.generated_token_ids),
-            })
+            rows.append(
+                {
+                    "prompt_id": example.prompt_id,
+                    "question": example.question,
+                    "answer": example.answer,
+                    "response": response,
+                    "correct": answer_reward(response, example.answer) > 0,
+                    "formatted": format_reward(response) > 0,
+                    "num_tokens": len(c.generated_token_ids),
+                }
+            )
     return {
-        "model": model, "dataset": dataset, "split": split, "num_examples": len(examples),
-        "num_samples": num_samples, "temperature": temperature,
+        "model": model,
+        "dataset": dataset,
+        "split": split,
+        "num_examples": len(examples),
+        "num_samples": num_samples,
+        "temperature": temperature,
         "answer_accuracy": statistics.fmean(r["correct"] for r in rows),
         "format_accuracy": statistics.fmean(r["formatted"] for r in rows),
         "completion_length_mean": statistics.fmean(r["num_tokens"] for r in rows),
-        "seconds": seconds, "rows": rows,
+        "seconds": seconds,
+        "rows": rows,
     }

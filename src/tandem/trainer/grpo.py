@@ -49,27 +49,38 @@ def train_grpo(cfg: Config) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
 
-    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code)
-    model_kw = dict(attn_implementation=cfg.model.attn_implementation,
-                    trust_remote_code=cfg.model.trust_remote_code, device=device)
+    tokenizer = load_tokenizer(
+        cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code
+    )
+    model_kw = dict(
+        attn_implementation=cfg.model.attn_implementation,
+        trust_remote_code=cfg.model.trust_remote_code,
+        device=device,
+    )
     policy = load_causal_lm(cfg.model.policy, dtype=cfg.model.dtype, **model_kw)
     if tc.gradient_checkpointing:
-        enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
+        enable = (
+            getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
+        )
         enable()
     policy.config.use_cache = False
     # generation needs its own copy only when it runs in another precision than training
     rollout_model = policy
     if cfg.sampling.dtype != cfg.model.dtype:
-        rollout_model = load_causal_lm(cfg.model.policy, dtype=cfg.sampling.dtype, trainable=False, **model_kw)
+        rollout_model = load_causal_lm(
+            cfg.model.policy, dtype=cfg.sampling.dtype, trainable=False, **model_kw
+        )
     reference = None
     if cfg.grpo.kl_coef != 0:
-        reference = load_causal_lm(cfg.model.reference or cfg.model.policy, dtype=cfg.sampling.dtype,
-                                   trainable=False, **model_kw)
+        reference = load_causal_lm(
+            cfg.model.reference or cfg.model.policy, dtype=cfg.sampling.dtype, trainable=False, **model_kw
+        )
         if cfg.model.reference:
             check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.reference))
 
-    examples = load_examples(cfg.data.dataset, cfg.data.split, cfg.data.num_examples, cfg.seed,
-                             difficulty=cfg.data.difficulty)
+    examples = load_examples(
+        cfg.data.dataset, cfg.data.split, cfg.data.num_examples, cfg.seed, difficulty=cfg.data.difficulty
+    )
     stream = PromptStream(examples, cfg.grpo.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
     optimizer = build_optimizer(policy, tc)
     scheduler = build_scheduler(optimizer, tc)
@@ -78,19 +89,30 @@ def train_grpo(cfg: Config) -> Path:
 
     step = 0
     if resume_path is not None:
-        state = ckpt.load_checkpoint(resume_path, model=policy, optimizer=optimizer, scheduler=scheduler,
-                                     generator=generator)
+        state = ckpt.load_checkpoint(
+            resume_path, model=policy, optimizer=optimizer, scheduler=scheduler, generator=generator
+        )
         step = state["step"]
         stream.load_state_dict(state["data"])
         sync_weights(policy, rollout_model)
         log.info("resumed from %s at step %d", resume_path, step)
 
     rollout = Rollout(
-        policy=rollout_model, reference=reference, tokenizer=tokenizer, rewards=RewardSet.from_specs(cfg.rewards),
-        system_prompt=cfg.data.system_prompt, num_shots=cfg.data.num_shots, prefill=cfg.data.prefill,
-        num_generations=cfg.sampling.num_generations, max_new_tokens=cfg.sampling.max_new_tokens,
-        temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p,
-        batch_size=cfg.sampling.batch_size, scale_rewards=cfg.grpo.scale_rewards, adv_eps=cfg.grpo.adv_eps,
+        policy=rollout_model,
+        reference=reference,
+        tokenizer=tokenizer,
+        rewards=RewardSet.from_specs(cfg.rewards),
+        system_prompt=cfg.data.system_prompt,
+        num_shots=cfg.data.num_shots,
+        prefill=cfg.data.prefill,
+        num_generations=cfg.sampling.num_generations,
+        max_new_tokens=cfg.sampling.max_new_tokens,
+        temperature=cfg.sampling.temperature,
+        top_k=cfg.sampling.top_k,
+        top_p=cfg.sampling.top_p,
+        batch_size=cfg.sampling.batch_size,
+        scale_rewards=cfg.grpo.scale_rewards,
+        adv_eps=cfg.grpo.adv_eps,
         generator=generator,
     )
     logger = MetricsLogger(run_dir, tc.report_to, resume_step=step, config=config_to_dict(cfg))
@@ -100,8 +122,12 @@ def train_grpo(cfg: Config) -> Path:
         batch_start = time.perf_counter()
         groups = rollout.run(stream.next_batch(), policy_version=step)
         rollout_stats = summarize_groups(groups, rollout)
-        samples = flatten_groups(groups, scale_rewards=cfg.grpo.scale_rewards, adv_eps=cfg.grpo.adv_eps,
-                                 skip_zero_variance=cfg.grpo.skip_zero_variance_groups)
+        samples = flatten_groups(
+            groups,
+            scale_rewards=cfg.grpo.scale_rewards,
+            adv_eps=cfg.grpo.adv_eps,
+            skip_zero_variance=cfg.grpo.skip_zero_variance_groups,
+        )
         batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps
         row_start = batch_start
         for _ in range(cfg.grpo.num_iterations):
@@ -113,21 +139,37 @@ def train_grpo(cfg: Config) -> Path:
                 step += 1
                 now = time.perf_counter()
                 row = {
-                    "step": step, "policy_version": groups[0].policy_version, **rollout_stats, **train_stats,
-                    "step_seconds": now - row_start, "wait_seconds": 0.0,
-                    "staleness_mean": float(step - 1 - groups[0].policy_version), "groups_dropped_stale": 0,
+                    "step": step,
+                    "policy_version": groups[0].policy_version,
+                    **rollout_stats,
+                    **train_stats,
+                    "step_seconds": now - row_start,
+                    "wait_seconds": 0.0,
+                    "staleness_mean": float(step - 1 - groups[0].policy_version),
+                    "groups_dropped_stale": 0,
                     "peak_rss_gb": peak_rss_gb(),
                 }
-                rollout_stats = {**rollout_stats, "time_generate": 0.0, "time_reference": 0.0, "time_reward": 0.0}
+                rollout_stats = {
+                    **rollout_stats,
+                    "time_generate": 0.0,
+                    "time_reference": 0.0,
+                    "time_reward": 0.0,
+                }
                 row_start = now
                 if step % tc.logging_steps == 0 or step == tc.max_steps:
                     logger.log(row)
                 bar.update(1)
-                bar.set_postfix(reward=f"{row['reward_mean']:.2f}", fmt=f"{row['format_accuracy'] or 0:.2f}",
-                                acc=f"{row['answer_accuracy'] or 0:.2f}", kl=f"{row['kl']:.4f}",
-                                s=f"{row['step_seconds']:.1f}")
+                bar.set_postfix(
+                    reward=f"{row['reward_mean']:.2f}",
+                    fmt=f"{row['format_accuracy'] or 0:.2f}",
+                    acc=f"{row['answer_accuracy'] or 0:.2f}",
+                    kl=f"{row['kl']:.4f}",
+                    s=f"{row['step_seconds']:.1f}",
+                )
         sync_weights(policy, rollout_model)
-        if tc.sample_log_steps and (step // tc.sample_log_steps > (step - 1) // tc.sample_log_steps or step == 1):
+        if tc.sample_log_steps and (
+            step // tc.sample_log_steps > (step - 1) // tc.sample_log_steps or step == 1
+        ):
             write_samples(run_dir, step, sample_rows(groups, cfg.data.prefill))
         if tc.save_steps and step // tc.save_steps > last_saved // tc.save_steps:
             save(checkpoints_dir, step, policy, optimizer, scheduler, generator, tokenizer, stream, tc)
@@ -146,8 +188,14 @@ def optimizer_step(policy, optimizer, scheduler, scaler, samples, cfg: Config, d
     lr = scheduler.get_last_lr()[0]
     if not samples:  # every group had zero reward variance and was skipped: nothing to learn from
         scheduler.step()
-        return {**stats, "grad_norm": 0.0, "lr": lr, "num_train_sequences": 0, "time_train": 0.0,
-                "time_optimizer": 0.0}
+        return {
+            **stats,
+            "grad_norm": 0.0,
+            "lr": lr,
+            "num_train_sequences": 0,
+            "time_train": 0.0,
+            "time_optimizer": 0.0,
+        }
     t0 = time.perf_counter()
     policy.train()
     optimizer.zero_grad(set_to_none=True)
@@ -158,9 +206,17 @@ def optimizer_step(policy, optimizer, scheduler, scaler, samples, cfg: Config, d
         with autocast(device, tc.mixed_precision):
             trainer_logprobs = packed_logprobs(policy, mb.packed, temperature=cfg.sampling.temperature)
         loss, s = grpo_loss(
-            trainer_logprobs, mb.sampler_logprobs, mb.ref_logprobs, mb.advantages, mb.completion_mask,
-            clip_eps_low=gc.clip_eps_low, clip_eps_high=gc.clip_eps_high, kl_coef=gc.kl_coef,
-            loss_agg=gc.loss_agg, normalizer=normalizer, max_completion_length=cfg.sampling.max_new_tokens,
+            trainer_logprobs,
+            mb.sampler_logprobs,
+            mb.ref_logprobs,
+            mb.advantages,
+            mb.completion_mask,
+            clip_eps_low=gc.clip_eps_low,
+            clip_eps_high=gc.clip_eps_high,
+            kl_coef=gc.kl_coef,
+            loss_agg=gc.loss_agg,
+            normalizer=normalizer,
+            max_completion_length=cfg.sampling.max_new_tokens,
         )
         (scaler.scale(loss) if scaler else loss).backward()
         stats["loss"] += float(loss.detach())
@@ -183,8 +239,14 @@ def optimizer_step(policy, optimizer, scheduler, scaler, samples, cfg: Config, d
     optimizer.zero_grad(set_to_none=True)
     for key in ("kl", "clip_fraction", "ratio_abs_dev"):
         stats[key] /= max(num_tokens, 1.0)
-    return {**stats, "grad_norm": grad_norm, "lr": lr, "num_train_sequences": len(samples),
-            "time_train": t1 - t0, "time_optimizer": time.perf_counter() - t1}
+    return {
+        **stats,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "num_train_sequences": len(samples),
+        "time_train": t1 - t0,
+        "time_optimizer": time.perf_counter() - t1,
+    }
 
 
 def summarize_groups(groups: list[Group], rollout: Rollout) -> dict:
@@ -202,12 +264,16 @@ def summarize_groups(groups: list[Group], rollout: Rollout) -> dict:
         "reward_mean": statistics.fmean(rewards),
         "reward_std": statistics.pstdev(rewards),
         "answer_accuracy": accuracy("answer"),
-        "format_accuracy": accuracy("format") if accuracy("format") is not None else accuracy("format_partial"),
+        "format_accuracy": accuracy("format")
+        if accuracy("format") is not None
+        else accuracy("format_partial"),
         "tokens_generated": sum(lengths),
         "completion_length_mean": statistics.fmean(lengths),
         "finished_fraction": sum(c.is_finished for c in completions) / len(completions),
         "zero_variance_groups": sum(len(set(g.rewards)) <= 1 for g in groups),
-        "time_generate": t.generate, "time_reference": t.reference, "time_reward": t.reward,
+        "time_generate": t.generate,
+        "time_reference": t.reference,
+        "time_reward": t.reward,
         "generate_tokens_per_second": sum(lengths) / max(t.generate, 1e-9),
     }
     for name in completions[0].reward_info:
@@ -217,10 +283,18 @@ def summarize_groups(groups: list[Group], rollout: Rollout) -> dict:
 
 def sample_rows(groups: list[Group], prefill: str) -> list[dict]:
     return [
-        {"prompt_id": g.prompt_id, "answer": g.metadata.get("answer"), "policy_version": g.policy_version,
-         "response": prefill + c.text, "reward": c.reward, "reward_info": c.reward_info,
-         "advantage": c.advantage, "is_finished": c.is_finished}
-        for g in groups for c in g.completions
+        {
+            "prompt_id": g.prompt_id,
+            "answer": g.metadata.get("answer"),
+            "policy_version": g.policy_version,
+            "response": prefill + c.text,
+            "reward": c.reward,
+            "reward_info": c.reward_info,
+            "advantage": c.advantage,
+            "is_finished": c.is_finished,
+        }
+        for g in groups
+        for c in g.completions
     ]
 
 
@@ -234,14 +308,22 @@ def sync_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
 
 
 def save(checkpoints_dir, step, policy, optimizer, scheduler, generator, tokenizer, stream, tc) -> None:
-    ckpt.save_checkpoint(checkpoints_dir, step, model=policy, optimizer=optimizer, scheduler=scheduler,
-                         trainer_state={"data": stream.state_dict(), "policy_version": step},
-                         generator=generator, tokenizer=tokenizer)
+    ckpt.save_checkpoint(
+        checkpoints_dir,
+        step,
+        model=policy,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        trainer_state={"data": stream.state_dict(), "policy_version": step},
+        generator=generator,
+        tokenizer=tokenizer,
+    )
     ckpt.prune_checkpoints(checkpoints_dir, tc.save_total_limit)
 
 
 def export_final(policy, tokenizer, out: Path) -> Path:
     """The trained policy as an HF folder that AutoModelForCausalLM.from_pretrained loads."""
+
     def write(tmp: Path) -> None:
         policy.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

@@ -17,8 +17,10 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> torch.optim.
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+        [g for g in groups if g["params"]],
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
         # fused: one kernel per step, no foreach temporaries the size of the model (peak memory)
         fused=True,
     )
@@ -39,5 +41,7 @@ def lr_factor(step: int, cfg: TrainingConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainingConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))

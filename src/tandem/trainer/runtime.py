@@ -53,6 +53,8 @@ def peak_rss_gb() -> float:
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     for noisy in ("transformers", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
