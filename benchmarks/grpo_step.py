@@ -34,6 +34,9 @@ TRL = {
 }
 
 OVERRIDES = [
+    "pipeline.mode=colocated",
+    "grpo.prompts_per_step=8",
+    "sampling.num_generations=4",
     "data.num_shots=0",
     "data.prefill=",
     "grpo.skip_zero_variance_groups=false",

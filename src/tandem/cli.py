@@ -33,23 +33,24 @@ def cmd_grpo(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from tandem.trainer.evaluate import evaluate
+    from tandem.trainer.evaluate import evaluate, prompt_settings
 
+    prompt = prompt_settings(args.model, args.config)
+    for key in prompt:  # explicit flags win over the run's config
+        if getattr(args, key, None) is not None:
+            prompt[key] = getattr(args, key)
     result = evaluate(
         model=args.model,
         dataset=args.dataset,
         split=args.split,
         num_examples=args.num_examples,
-        difficulty=args.difficulty,
-        num_shots=args.num_shots,
-        prefill=args.prefill,
-        max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         num_samples=args.num_samples,
         batch_size=args.batch_size,
         dtype=args.dtype,
         seed=args.seed,
         device=args.device,
+        **prompt,
     )
     summary = {k: v for k, v in result.items() if k != "rows"}
     print(json.dumps(summary, indent=1))
@@ -100,10 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="synthetic", help="synthetic | gsm8k | path to .jsonl/.parquet")
     p.add_argument("--split", default="test", help="synthetic: any split other than train is held out")
     p.add_argument("--num-examples", type=int, default=200)
-    p.add_argument("--difficulty", type=int, default=1, help="synthetic data: 1 one-step, 2 up to two steps")
-    p.add_argument("--num-shots", type=int, default=1)
-    p.add_argument("--prefill", default="<think>")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--config",
+        help="take the prompt settings (system prompt, shots, prefill, difficulty, max new tokens) from "
+        "this config; default: the config.yaml of the run the model belongs to, if any",
+    )
+    p.add_argument("--difficulty", type=int, help="synthetic data: 1 one-step, 2 up to two steps")
+    p.add_argument("--system-prompt")
+    p.add_argument("--num-shots", type=int)
+    p.add_argument("--prefill")
+    p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--num-samples", type=int, default=1, help="completions per question (sampled)")
     p.add_argument("--batch-size", type=int, default=32)

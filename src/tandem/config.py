@@ -33,6 +33,8 @@ LR_SCHEDULERS = ("constant", "cosine", "linear")
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 REPORTERS = ("tensorboard", "wandb")
 DISTRIBUTED_STRATEGIES = ("none",)  # ddp | deepspeed | auto join when distributed/ lands
+PIPELINE_MODES = ("decoupled", "colocated")
+SYNC_METHODS = ("zmq", "fs")
 
 
 class ConfigError(ValueError):
@@ -89,6 +91,7 @@ class SamplingConfig:
     top_k: int = 0  # 0 = off
     dtype: str = "bfloat16"  # rollout copy of the policy: float32 | bfloat16 | float16
     batch_size: int = 32  # sequences per generation call
+    num_threads: int = 0  # sampler process CPU threads, 0 = split the cores with the trainer
 
 
 @dataclass
@@ -132,6 +135,45 @@ class TrainingConfig:
 
 
 @dataclass
+class CurveConfig:
+    """CURVE keys (made by `tandem keygen DIR`); all null = no authentication, plain TCP."""
+
+    server_secret_key: str | None = None  # trainer: its .key_secret file
+    authorized_clients: str | None = None  # trainer: folder of the samplers' public .key files
+    server_public_key: str | None = None  # sampler: the trainer's public .key file
+    client_secret_key: str | None = None  # sampler: its own .key_secret file
+
+    @property
+    def enabled(self) -> bool:
+        return any(v is not None for v in dataclasses.astuple(self))
+
+
+@dataclass
+class PipelineConfig:
+    """The decoupled sampler/trainer pipeline (DESIGN.md sections 1-4)."""
+
+    mode: str = "decoupled"  # decoupled: sampler and trainer processes | colocated: one process
+    num_samplers: int = 1  # samplers that `tandem grpo` starts / that share the work of a version
+    trainer_host: str = "127.0.0.1"  # where samplers find the trainer
+    bind_host: str = "*"  # the interface the trainer binds ("*" = all)
+    data_port: int = 5555  # groups, sampler PUSH -> trainer PULL
+    sync_port: int = 5556  # weights and status, trainer ROUTER <-> sampler DEALER
+    sync_method: str = "zmq"  # zmq (from memory) | fs (files in sync_dir)
+    sync_dir: str | None = None  # fs method; None = <run_dir>/weights
+    sync_every: int = 1  # publish new weights every N optimizer steps (the seed's gen_update_steps)
+    sync_dtype: str | None = None  # dtype the weights travel in; None = the trainer's
+    sync_keep_versions: int = 2  # fs method: versions kept on disk
+    max_staleness: int = 1  # drop groups more than N versions old (0 = strictly on-policy)
+    send_hwm: int = 4  # groups queued in a sampler before it blocks
+    recv_hwm: int = 4  # groups queued per sampler in the trainer before senders block
+    max_message_mb: int = 64  # ZMQ_MAXMSGSIZE of the data channel
+    data_warn_s: float = 60.0  # trainer: say so when no group arrived for this long
+    data_timeout_s: float = 0.0  # trainer: give up after this long without a group (0 = never)
+    trainer_timeout_s: float = 0.0  # sampler: give up after this long without the trainer (0 = never)
+    curve: CurveConfig = field(default_factory=CurveConfig)
+
+
+@dataclass
 class Config:
     experiment_name: str = "grpo"
     output_dir: str = "runs"  # the run folder is output_dir/experiment_name
@@ -142,6 +184,7 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -333,6 +376,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "training.lr_scheduler": LR_SCHEDULERS,
     "training.mixed_precision": MIXED_PRECISIONS,
     "training.distributed_strategy": DISTRIBUTED_STRATEGIES,
+    "pipeline.mode": PIPELINE_MODES,
+    "pipeline.sync_method": SYNC_METHODS,
 }
 
 # (dotted key, check, what it must be)
@@ -374,6 +419,19 @@ _BOUNDS: list[tuple[str, Callable[[Any], bool], str]] = [
     ("training.logging_steps", lambda v: v >= 1, ">= 1"),
     ("training.sample_log_steps", lambda v: v >= 0, ">= 0 (0 = never)"),
     ("training.num_threads", lambda v: v >= 0, ">= 0 (0 = torch default)"),
+    ("sampling.num_threads", lambda v: v >= 0, ">= 0 (0 = share the cores with the trainer)"),
+    ("pipeline.num_samplers", lambda v: v >= 1, ">= 1"),
+    ("pipeline.data_port", lambda v: 0 < v < 65536, "a TCP port in 1..65535"),
+    ("pipeline.sync_port", lambda v: 0 < v < 65536, "a TCP port in 1..65535"),
+    ("pipeline.sync_every", lambda v: v >= 1, ">= 1"),
+    ("pipeline.sync_keep_versions", lambda v: v >= 1, ">= 1"),
+    ("pipeline.max_staleness", lambda v: v >= 0, ">= 0 (0 = strictly on-policy)"),
+    ("pipeline.send_hwm", lambda v: v >= 1, ">= 1"),
+    ("pipeline.recv_hwm", lambda v: v >= 1, ">= 1"),
+    ("pipeline.max_message_mb", lambda v: v >= 1, ">= 1"),
+    ("pipeline.data_warn_s", lambda v: v > 0, "> 0"),
+    ("pipeline.data_timeout_s", lambda v: v >= 0, ">= 0 (0 = wait forever)"),
+    ("pipeline.trainer_timeout_s", lambda v: v >= 0, ">= 0 (0 = wait forever)"),
 ]
 
 _FUNCTION_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -408,6 +466,28 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"`training.device` is {cfg.training.device!r}; use auto, cpu, cuda or cuda:N")
     _validate_rewards(cfg.rewards)
     _validate_batch(cfg)
+    _validate_pipeline(cfg.pipeline)
+
+
+def _validate_pipeline(p: PipelineConfig) -> None:
+    if p.data_port == p.sync_port:
+        raise ConfigError(
+            f"`pipeline.sync_port` equals `pipeline.data_port` ({p.data_port}); give the two channels "
+            "different ports (default 5555 and 5556)"
+        )
+    if p.sync_dtype is not None and p.sync_dtype not in DTYPES:
+        raise ConfigError(
+            f"`pipeline.sync_dtype` is {p.sync_dtype!r}; choose one of: {', '.join(DTYPES)} or null"
+        )
+    curve = p.curve
+    if curve.enabled:
+        trainer = curve.server_secret_key, curve.authorized_clients
+        sampler = curve.server_public_key, curve.client_secret_key
+        if (None in trainer and any(trainer)) or (None in sampler and any(sampler)):
+            raise ConfigError(
+                "`pipeline.curve` is half set: the trainer needs server_secret_key and authorized_clients, "
+                "a sampler needs server_public_key and client_secret_key (make them with `tandem keygen DIR`)"
+            )
 
 
 def _validate_rewards(rewards: list[RewardSpec]) -> None:

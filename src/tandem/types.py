@@ -55,6 +55,7 @@ class Group:
     sampler_id: str = "local"
     created_at: float = 0.0
     metadata: dict = field(default_factory=dict)  # the data row's, e.g. the gold answer
+    prefix_tokens: list[str] = field(default_factory=list)  # prompt tokens as strings (seed field)
 
     @property
     def rewards(self) -> list[float]:
@@ -62,3 +63,39 @@ class Group:
 
     def whole_token_ids(self, index: int) -> list[int]:
         return self.prefix_token_ids + self.completions[index].generated_token_ids
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one named tensor lies in a flat weights buffer (bytes, little-endian)."""
+
+    name: str
+    dtype: str  # float32 | bfloat16 | float16
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class WeightsManifest:
+    """A published policy version: its tensors in one flat buffer, cut into hashed chunks.
+
+    `version` counts publications (0 = initial weights) and never repeats within a run, even
+    across trainer restarts; `run_id` changes with every trainer process.
+    """
+
+    version: int
+    run_id: str
+    total_bytes: int
+    tensors: tuple[TensorSpec, ...]
+    chunks: tuple[tuple[int, int, str], ...]  # (offset, nbytes, xxh3-64 hex) covering the buffer
+
+
+@dataclass(frozen=True)
+class TrainerStatus:
+    """What a sampler learns from the trainer: its newest weights and whether it wants data."""
+
+    version: int  # newest published version, -1 = none yet
+    run_id: str
+    starved: bool = False  # the trainer has been waiting for groups
+    finished: bool = False  # training is over: samplers may exit

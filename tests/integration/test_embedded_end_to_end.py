@@ -20,13 +20,17 @@ def test_grpo_then_plot_then_eval_on_the_embedded_model(tmp_path, capsys):
             "experiment_name=e2e",
             "training.max_steps=1",
             "grpo.prompts_per_step=2",
-            "sampling.num_generations=2",
+            "sampling.num_generations=4",
             "sampling.max_new_tokens=12",
-            "training.micro_batch_size=4",
+            # 12 tokens cannot close the tags, so the seed's rewards are -2 everywhere; a reward with
+            # variance gives the update a non-zero advantage to learn from
+            'rewards=[{type: answer}, {type: format}, {type: function, function: "tiny_rewards:digit_count"}]',
+            "training.micro_batch_size=8",
             "training.gradient_accumulation_steps=1",
             "training.gradient_checkpointing=false",
             "training.save_steps=0",
             "grpo.skip_zero_variance_groups=false",
+            "pipeline.mode=colocated",
         ]
     )
     assert rc == 0

@@ -37,6 +37,7 @@ def tiny_config(model_dir, out_dir, name, *overrides):
             "training.learning_rate=1e-3",
             "training.device=cpu",
             "training.sample_log_steps=1",
+            "pipeline.mode=colocated",
             *overrides,
         ],
     )

@@ -7,50 +7,17 @@ trainer state (step, policy version, data position), enough for a bit-exact resu
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from tandem.atomic import atomic_dir
+
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_dir(final: Path, write) -> Path:
-    """Call write(tmp_dir), fsync everything, then rename tmp_dir to `final` in one step."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
-        write(tmp)
-        _fsync_tree(tmp)
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
 
 
 def python_rng_state() -> list:

@@ -28,6 +28,31 @@ def resolve_eval_model(spec: str) -> str:
     return spec
 
 
+def prompt_settings(model: str, config: str | None = None) -> dict:
+    """The prompt a model was trained with: from `config`, else from the config.yaml of the run
+    that `model` belongs to (RUN/final or RUN/checkpoints/step-N), else the built-in defaults."""
+    from tandem.config import DataConfig, SamplingConfig, load_config
+
+    path = Path(config) if config else None
+    if path is None:
+        for parent in list(Path(model).parents)[:3]:
+            if (parent / "config.yaml").is_file() and (parent / "metrics.jsonl").is_file():
+                path = parent / "config.yaml"
+                break
+    if path is None:
+        data, sampling = DataConfig(), SamplingConfig()
+    else:
+        cfg = load_config(path)
+        data, sampling = cfg.data, cfg.sampling
+    return {
+        "system_prompt": data.system_prompt,
+        "num_shots": data.num_shots,
+        "prefill": data.prefill,
+        "difficulty": data.difficulty,
+        "max_new_tokens": sampling.max_new_tokens,
+    }
+
+
 def evaluate(
     *,
     model: str = "embedded",

@@ -25,6 +25,7 @@ from tandem.rewards.registry import RewardSet
 from tandem.sampler.rollout import Rollout
 from tandem.trainer import checkpoint as ckpt
 from tandem.trainer.batching import collate, flatten_groups, loss_normalizer, split_micro_batches
+from tandem.trainer.experience import LocalExperience, RemoteExperience
 from tandem.trainer.metrics import MetricsLogger, write_samples
 from tandem.trainer.optim import build_optimizer, build_scheduler
 from tandem.trainer.runtime import autocast, grad_scaler, peak_rss_gb, resolve_device, set_seed, set_threads
@@ -34,7 +35,11 @@ log = logging.getLogger(__name__)
 
 
 def train_grpo(cfg: Config) -> Path:
-    """Train, checkpoint and export; returns the folder of the final HF model."""
+    """Train, checkpoint and export; returns the folder of the final HF model.
+
+    `pipeline.mode: colocated` generates in this process; `decoupled` makes this process the
+    trainer of the sampler/trainer pipeline (groups from `tandem sample` processes).
+    """
     set_seed(cfg.seed)
     set_threads(cfg.training.num_threads)
     device = resolve_device(cfg.training.device)
@@ -52,52 +57,132 @@ def train_grpo(cfg: Config) -> Path:
     tokenizer = load_tokenizer(
         cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code
     )
-    model_kw = dict(
-        attn_implementation=cfg.model.attn_implementation,
-        trust_remote_code=cfg.model.trust_remote_code,
-        device=device,
-    )
-    policy = load_causal_lm(cfg.model.policy, dtype=cfg.model.dtype, **model_kw)
+    policy = load_causal_lm(cfg.model.policy, dtype=cfg.model.dtype, **model_kwargs(cfg, device))
     if tc.gradient_checkpointing:
         enable = (
             getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
         )
         enable()
     policy.config.use_cache = False
-    # generation needs its own copy only when it runs in another precision than training
-    rollout_model = policy
-    if cfg.sampling.dtype != cfg.model.dtype:
-        rollout_model = load_causal_lm(
-            cfg.model.policy, dtype=cfg.sampling.dtype, trainable=False, **model_kw
-        )
-    reference = None
-    if cfg.grpo.kl_coef != 0:
-        reference = load_causal_lm(
-            cfg.model.reference or cfg.model.policy, dtype=cfg.sampling.dtype, trainable=False, **model_kw
-        )
-        if cfg.model.reference:
-            check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.reference))
-
-    examples = load_examples(
-        cfg.data.dataset, cfg.data.split, cfg.data.num_examples, cfg.seed, difficulty=cfg.data.difficulty
-    )
-    stream = PromptStream(examples, cfg.grpo.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
     optimizer = build_optimizer(policy, tc)
     scheduler = build_scheduler(optimizer, tc)
     scaler = grad_scaler(device, tc.mixed_precision)
     generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
 
     step = 0
+    state = None
     if resume_path is not None:
         state = ckpt.load_checkpoint(
             resume_path, model=policy, optimizer=optimizer, scheduler=scheduler, generator=generator
         )
         step = state["step"]
-        stream.load_state_dict(state["data"])
-        sync_weights(policy, rollout_model)
         log.info("resumed from %s at step %d", resume_path, step)
+    if cfg.pipeline.mode == "colocated":
+        experience = local_experience(cfg, policy, tokenizer, generator, device)
+    else:
+        experience = RemoteExperience(cfg, run_dir, policy)
+    if state is not None:
+        experience.load_state_dict(state["experience"])
 
-    rollout = Rollout(
+    logger = MetricsLogger(run_dir, tc.report_to, resume_step=step, config=config_to_dict(cfg))
+    bar = tqdm(total=tc.max_steps, initial=step, desc="grpo", dynamic_ncols=True)
+    last_saved = step
+    try:
+        while step < tc.max_steps:
+            row_start = time.perf_counter()
+            groups, batch_stats = experience.next_groups(cfg.grpo.prompts_per_step)
+            batch_stats = {**summarize_groups(groups), **batch_stats}
+            samples = flatten_groups(
+                groups,
+                scale_rewards=cfg.grpo.scale_rewards,
+                adv_eps=cfg.grpo.adv_eps,
+                skip_zero_variance=cfg.grpo.skip_zero_variance_groups,
+            )
+            batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps
+            for _ in range(cfg.grpo.num_iterations):
+                for first in range(0, max(len(samples), 1), batch_size):
+                    if step >= tc.max_steps:
+                        break
+                    opt_samples = samples[first : first + batch_size]
+                    # versions between the weights that sampled this batch and the ones updated now
+                    staleness = statistics.fmean(experience.version - g.policy_version for g in groups)
+                    train_stats = optimizer_step(
+                        policy, optimizer, scheduler, scaler, opt_samples, cfg, device
+                    )
+                    step += 1
+                    sync_stats = experience.on_step(policy, step)
+                    now = time.perf_counter()
+                    row = {
+                        "step": step,
+                        "policy_version": min(g.policy_version for g in groups),
+                        "staleness_mean": staleness,
+                        **batch_stats,
+                        **train_stats,
+                        **sync_stats,
+                        "step_seconds": now - row_start,
+                        "peak_rss_gb": peak_rss_gb(),
+                    }
+                    # a batch's generation and waiting are counted once, in its first step's row
+                    batch_stats = {**batch_stats, **dict.fromkeys(PER_BATCH_TIMES & batch_stats.keys(), 0.0)}
+                    row_start = now
+                    if step % tc.logging_steps == 0 or step == tc.max_steps:
+                        logger.log(row)
+                    bar.update(1)
+                    bar.set_postfix(
+                        reward=f"{row['reward_mean']:.2f}",
+                        fmt=f"{row['format_accuracy'] or 0:.2f}",
+                        acc=f"{row['answer_accuracy'] or 0:.2f}",
+                        kl=f"{row['kl']:.4f}",
+                        s=f"{row['step_seconds']:.1f}",
+                    )
+            if tc.sample_log_steps and (
+                step // tc.sample_log_steps > (step - 1) // tc.sample_log_steps or step == 1
+            ):
+                write_samples(run_dir, step, sample_rows(groups, cfg.data.prefill))
+            if tc.save_steps and step // tc.save_steps > last_saved // tc.save_steps:
+                save(
+                    checkpoints_dir, step, policy, optimizer, scheduler, generator, tokenizer, experience, tc
+                )
+                last_saved = step
+    finally:
+        bar.close()
+        logger.close()
+        experience.close(finished=step >= tc.max_steps)
+    if last_saved != step:
+        save(checkpoints_dir, step, policy, optimizer, scheduler, generator, tokenizer, experience, tc)
+    return export_final(policy, tokenizer, run_dir / "final")
+
+
+PER_BATCH_TIMES = {"time_generate", "time_reference", "time_reward", "wait_seconds"}
+
+
+def model_kwargs(cfg: Config, device) -> dict:
+    return dict(
+        attn_implementation=cfg.model.attn_implementation,
+        trust_remote_code=cfg.model.trust_remote_code,
+        device=device,
+    )
+
+
+def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_id: str = "local") -> Rollout:
+    """The sampling side: the rollout copy of the policy (or the policy itself when the dtypes
+    agree), the frozen reference, the rewards and the prompt format."""
+    rollout_model = policy
+    if policy is None or cfg.sampling.dtype != cfg.model.dtype:
+        rollout_model = load_causal_lm(
+            cfg.model.policy, dtype=cfg.sampling.dtype, trainable=False, **model_kwargs(cfg, device)
+        )
+    reference = None
+    if cfg.grpo.kl_coef != 0:
+        reference = load_causal_lm(
+            cfg.model.reference or cfg.model.policy,
+            dtype=cfg.sampling.dtype,
+            trainable=False,
+            **model_kwargs(cfg, device),
+        )
+        if cfg.model.reference:
+            check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.reference))
+    return Rollout(
         policy=rollout_model,
         reference=reference,
         tokenizer=tokenizer,
@@ -113,72 +198,17 @@ def train_grpo(cfg: Config) -> Path:
         batch_size=cfg.sampling.batch_size,
         scale_rewards=cfg.grpo.scale_rewards,
         adv_eps=cfg.grpo.adv_eps,
+        sampler_id=sampler_id,
         generator=generator,
     )
-    logger = MetricsLogger(run_dir, tc.report_to, resume_step=step, config=config_to_dict(cfg))
-    bar = tqdm(total=tc.max_steps, initial=step, desc="grpo", dynamic_ncols=True)
-    last_saved = step
-    while step < tc.max_steps:
-        batch_start = time.perf_counter()
-        groups = rollout.run(stream.next_batch(), policy_version=step)
-        rollout_stats = summarize_groups(groups, rollout)
-        samples = flatten_groups(
-            groups,
-            scale_rewards=cfg.grpo.scale_rewards,
-            adv_eps=cfg.grpo.adv_eps,
-            skip_zero_variance=cfg.grpo.skip_zero_variance_groups,
-        )
-        batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps
-        row_start = batch_start
-        for _ in range(cfg.grpo.num_iterations):
-            for first in range(0, max(len(samples), 1), batch_size):
-                if step >= tc.max_steps:
-                    break
-                opt_samples = samples[first : first + batch_size]
-                train_stats = optimizer_step(policy, optimizer, scheduler, scaler, opt_samples, cfg, device)
-                step += 1
-                now = time.perf_counter()
-                row = {
-                    "step": step,
-                    "policy_version": groups[0].policy_version,
-                    **rollout_stats,
-                    **train_stats,
-                    "step_seconds": now - row_start,
-                    "wait_seconds": 0.0,
-                    "staleness_mean": float(step - 1 - groups[0].policy_version),
-                    "groups_dropped_stale": 0,
-                    "peak_rss_gb": peak_rss_gb(),
-                }
-                rollout_stats = {
-                    **rollout_stats,
-                    "time_generate": 0.0,
-                    "time_reference": 0.0,
-                    "time_reward": 0.0,
-                }
-                row_start = now
-                if step % tc.logging_steps == 0 or step == tc.max_steps:
-                    logger.log(row)
-                bar.update(1)
-                bar.set_postfix(
-                    reward=f"{row['reward_mean']:.2f}",
-                    fmt=f"{row['format_accuracy'] or 0:.2f}",
-                    acc=f"{row['answer_accuracy'] or 0:.2f}",
-                    kl=f"{row['kl']:.4f}",
-                    s=f"{row['step_seconds']:.1f}",
-                )
-        sync_weights(policy, rollout_model)
-        if tc.sample_log_steps and (
-            step // tc.sample_log_steps > (step - 1) // tc.sample_log_steps or step == 1
-        ):
-            write_samples(run_dir, step, sample_rows(groups, cfg.data.prefill))
-        if tc.save_steps and step // tc.save_steps > last_saved // tc.save_steps:
-            save(checkpoints_dir, step, policy, optimizer, scheduler, generator, tokenizer, stream, tc)
-            last_saved = step
-    bar.close()
-    logger.close()
-    if last_saved != step:
-        save(checkpoints_dir, step, policy, optimizer, scheduler, generator, tokenizer, stream, tc)
-    return export_final(policy, tokenizer, run_dir / "final")
+
+
+def local_experience(cfg: Config, policy, tokenizer, generator, device) -> LocalExperience:
+    examples = load_examples(
+        cfg.data.dataset, cfg.data.split, cfg.data.num_examples, cfg.seed, difficulty=cfg.data.difficulty
+    )
+    stream = PromptStream(examples, cfg.grpo.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    return LocalExperience(build_rollout(cfg, policy, tokenizer, generator, device), stream, policy)
 
 
 def optimizer_step(policy, optimizer, scheduler, scaler, samples, cfg: Config, device) -> dict:
@@ -249,7 +279,7 @@ def optimizer_step(policy, optimizer, scheduler, scaler, samples, cfg: Config, d
     }
 
 
-def summarize_groups(groups: list[Group], rollout: Rollout) -> dict:
+def summarize_groups(groups: list[Group]) -> dict:
     completions = [c for g in groups for c in g.completions]
     rewards = [c.reward for c in completions]
     lengths = [len(c.generated_token_ids) for c in completions]
@@ -259,7 +289,6 @@ def summarize_groups(groups: list[Group], rollout: Rollout) -> dict:
             return None
         return sum(c.reward_info[name] > 0 for c in completions) / len(completions)
 
-    t = rollout.timings
     stats = {
         "reward_mean": statistics.fmean(rewards),
         "reward_std": statistics.pstdev(rewards),
@@ -271,10 +300,6 @@ def summarize_groups(groups: list[Group], rollout: Rollout) -> dict:
         "completion_length_mean": statistics.fmean(lengths),
         "finished_fraction": sum(c.is_finished for c in completions) / len(completions),
         "zero_variance_groups": sum(len(set(g.rewards)) <= 1 for g in groups),
-        "time_generate": t.generate,
-        "time_reference": t.reference,
-        "time_reward": t.reward,
-        "generate_tokens_per_second": sum(lengths) / max(t.generate, 1e-9),
     }
     for name in completions[0].reward_info:
         stats[f"reward_{name}"] = statistics.fmean(c.reward_info[name] for c in completions)
@@ -298,23 +323,14 @@ def sample_rows(groups: list[Group], prefill: str) -> list[dict]:
     ]
 
 
-@torch.no_grad()
-def sync_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
-    """Copy the trained weights into the rollout copy (casting to its dtype); no-op when shared."""
-    if src is dst:
-        return
-    for p_dst, p_src in zip(dst.parameters(), src.parameters()):
-        p_dst.copy_(p_src)
-
-
-def save(checkpoints_dir, step, policy, optimizer, scheduler, generator, tokenizer, stream, tc) -> None:
+def save(checkpoints_dir, step, policy, optimizer, scheduler, generator, tokenizer, experience, tc) -> None:
     ckpt.save_checkpoint(
         checkpoints_dir,
         step,
         model=policy,
         optimizer=optimizer,
         scheduler=scheduler,
-        trainer_state={"data": stream.state_dict(), "policy_version": step},
+        trainer_state={"experience": experience.state_dict()},
         generator=generator,
         tokenizer=tokenizer,
     )

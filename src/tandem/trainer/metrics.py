@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import numpy as np
+
+from tandem.atomic import atomic_write_text
 
 REQUIRED_FIELDS: tuple[str, ...] = (
     "step",
@@ -62,17 +62,7 @@ def to_json_safe(value: Any) -> Any:
 
 
 def _atomic_write_lines(path: Path, lines: list[str]) -> None:
-    """Write `lines` to a temp file in the same folder, fsync, then os.replace: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(line + "\n" for line in lines)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
 
 
 def read_metrics(path: Path) -> list[dict]:

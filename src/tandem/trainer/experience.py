@@ -1,0 +1,226 @@
+"""Where the GRPO trainer's groups come from and where its weights go, in either pipeline mode.
+
+- `LocalExperience` (colocated, one process): a `Rollout` on a copy of the policy in this process;
+  new weights are copied into that copy before the next batch.
+- `RemoteExperience` (decoupled trainer): groups arrive from sampler processes over the data
+  channel, are filtered for staleness, and new weights are published on the sync channel every
+  `pipeline.sync_every` optimizer steps.
+Both hand the loop `(groups, stats)` for each batch, so `trainer/grpo.py` is one loop for both.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from tandem.atomic import atomic_write_text
+from tandem.config import Config
+from tandem.data.stream import PromptStream
+from tandem.sampler.rollout import Rollout
+from tandem.types import Group
+
+log = logging.getLogger(__name__)
+
+STARVED_AFTER_S = 5.0  # waiting this long for groups makes samplers at their quota produce more
+SYNC_STATE_FILE = "sync_state.json"
+
+
+class LocalExperience:
+    """Colocated: generate each batch in this process, with the newest weights."""
+
+    def __init__(self, rollout: Rollout, stream: PromptStream, policy: torch.nn.Module) -> None:
+        self.rollout, self.stream, self.policy = rollout, stream, policy
+        self.version = 0
+        self._stale_copy = False
+
+    def next_groups(self, num_groups: int) -> tuple[list[Group], dict]:
+        if self._stale_copy:
+            copy_weights(self.policy, self.rollout.policy)
+            self._stale_copy = False
+        groups = self.rollout.run(self.stream.next_batch(), policy_version=self.version)
+        t = self.rollout.timings
+        lengths = sum(len(c.generated_token_ids) for g in groups for c in g.completions)
+        return groups, {
+            "time_generate": t.generate,
+            "time_reference": t.reference,
+            "time_reward": t.reward,
+            "generate_tokens_per_second": lengths / max(t.generate, 1e-9),
+            "wait_seconds": 0.0,
+            "groups_dropped_stale": 0,
+        }
+
+    def on_step(self, policy: torch.nn.Module, step: int) -> dict:
+        self.version += 1  # one version per optimizer step, as a decoupled trainer with sync_every 1
+        self._stale_copy = True  # copied lazily: several optimizer steps may share one batch
+        return {}
+
+    def state_dict(self) -> dict:
+        return {
+            "data": self.stream.state_dict(),
+            "policy_version": self.version,
+            "stale_copy": self._stale_copy,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state["data"])
+        self.version = int(state.get("policy_version", 0))
+        self._stale_copy = bool(state.get("stale_copy", False))
+        copy_weights(self.policy, self.rollout.policy)
+
+    def close(self, *, finished: bool) -> None:
+        pass
+
+
+@torch.no_grad()
+def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Copy the trained weights into the rollout copy (casting to its dtype); no-op when shared."""
+    if src is dst:
+        return
+    for p_dst, p_src in zip(dst.parameters(), src.parameters()):
+        p_dst.copy_(p_src)
+
+
+class RemoteExperience:
+    """Decoupled trainer: PULL groups from samplers, drop stale ones, publish weights.
+
+    Versions never repeat within a run folder: a restarted trainer continues after the last
+    version it published (recorded in `<run_dir>/sync_state.json`), so a sampler can always tell
+    new weights from old, and groups from a lost future (`policy_version` above ours) are dropped.
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path, policy: torch.nn.Module) -> None:
+        import zmq
+
+        from tandem.transport.auth import start_server_auth
+        from tandem.transport.channel import GroupReceiver
+        from tandem.transport.weights import FsWeightWriter, WeightServer, new_run_id
+
+        p = cfg.pipeline
+        self.cfg, self.run_dir = cfg, run_dir
+        self.context = zmq.Context()
+        self.auth = start_server_auth(self.context, p.curve)
+        self.run_id = new_run_id()
+        self.receiver = GroupReceiver(
+            f"tcp://{p.bind_host}:{p.data_port}",
+            max_bytes=p.max_message_mb * 2**20,
+            rcvhwm=p.recv_hwm,
+            context=self.context,
+            curve=p.curve,
+        )
+        if p.sync_method == "zmq":
+            address = f"tcp://{p.bind_host}:{p.sync_port}"
+            self.publisher = WeightServer(address, run_id=self.run_id, context=self.context, curve=p.curve)
+        else:
+            root = Path(p.sync_dir) if p.sync_dir else run_dir / "weights"
+            self.publisher = FsWeightWriter(root, run_id=self.run_id, keep=p.sync_keep_versions)
+        self.version = _next_version(run_dir)
+        self.dropped: Counter[str] = Counter()
+        self.publish(policy)
+        log.info(
+            "trainer %s: groups on tcp://%s:%d, weights by %s (version %d); waiting for samplers",
+            self.run_id,
+            p.bind_host,
+            p.data_port,
+            f"tcp://{p.bind_host}:{p.sync_port}" if p.sync_method == "zmq" else f"files in {root}",
+            self.version,
+        )
+
+    def publish(self, policy: torch.nn.Module) -> float:
+        from tandem.transport.weights import take_snapshot
+
+        start = time.perf_counter()
+        params = ((name, p) for name, p in policy.named_parameters())
+        snapshot = take_snapshot(
+            params, version=self.version, run_id=self.run_id, dtype=self.cfg.pipeline.sync_dtype
+        )
+        self.publisher.publish(snapshot)
+        atomic_write_text(self.run_dir / SYNC_STATE_FILE, json.dumps({"version": self.version}), fsync=False)
+        return time.perf_counter() - start
+
+    def on_step(self, policy: torch.nn.Module, step: int) -> dict:
+        if step % self.cfg.pipeline.sync_every:
+            return {}
+        self.version += 1
+        return {"sync_seconds": self.publish(policy)}
+
+    def next_groups(self, num_groups: int) -> tuple[list[Group], dict]:
+        p = self.cfg.pipeline
+        start = last_arrival = next_warning = time.monotonic()
+        next_warning += p.data_warn_s
+        groups: list[Group] = []
+        dropped = Counter()
+        starved = False
+        while len(groups) < num_groups:
+            group = self.receiver.recv(timeout=0.25)
+            now = time.monotonic()
+            if group is None:
+                if not starved and now - last_arrival > STARVED_AFTER_S:
+                    starved = True
+                    self.publisher.set_status(starved=True)
+                if now >= next_warning:
+                    next_warning = now + p.data_warn_s
+                    log.warning(self._no_data_message(now - last_arrival, len(groups), num_groups))
+                if p.data_timeout_s and now - last_arrival > p.data_timeout_s:
+                    raise TimeoutError(self._no_data_message(now - last_arrival, len(groups), num_groups))
+                continue
+            last_arrival = now
+            age = self.version - group.policy_version
+            if age < 0:
+                dropped["future"] += 1  # made by weights of a trainer run that was lost
+            elif age > p.max_staleness:
+                dropped["stale"] += 1
+            else:
+                groups.append(group)
+        if starved:
+            self.publisher.set_status(starved=False)
+        self.dropped.update(dropped)
+        return groups, self._stats(groups, dropped, time.monotonic() - start)
+
+    def _no_data_message(self, seconds: float, have: int, need: int) -> str:
+        p = self.cfg.pipeline
+        return (
+            f"no group has arrived for {seconds:.0f} s ({have} of the {need} this step needs): is a sampler "
+            f"running and pointed here? start one with `tandem sample CONFIG --trainer-host <this host> "
+            f"--data-port {p.data_port} --sync-port {p.sync_port}`"
+        )
+
+    def _stats(self, groups: list[Group], dropped: Counter, waited: float) -> dict:
+        stats = {
+            "wait_seconds": waited,
+            "groups_dropped_stale": dropped["stale"],
+            "groups_dropped_future": dropped["future"],
+            "messages_dropped": sum(self.receiver.dropped.values()),
+        }
+        for sampler_id, count in self.receiver.received.items():
+            stats[f"groups_from_{sampler_id}"] = count
+        if self.auth is not None:
+            stats["auth_refused"] = self.auth.refused
+        return stats
+
+    def state_dict(self) -> dict:
+        return {"policy_version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass  # the version comes from sync_state.json: it must stay ahead of every published one
+
+    def close(self, *, finished: bool) -> None:
+        if finished:
+            self.publisher.set_status(finished=True)
+            time.sleep(1.0)  # let samplers waiting on the status hear it before the socket goes
+        self.publisher.close()
+        self.receiver.close()
+        if self.auth is not None:
+            self.auth.stop()
+        self.context.term()
+
+
+def _next_version(run_dir: Path) -> int:
+    path = run_dir / SYNC_STATE_FILE
+    if not path.is_file():
+        return 0
+    return int(json.loads(path.read_text())["version"]) + 1

@@ -1,0 +1,225 @@
+"""The experience channel: samplers PUSH groups to the trainer's PULL socket (default port 5555).
+
+The trainer binds (`GroupReceiver`), samplers connect (`GroupSender`); bytes are `wire.py`'s.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import socket
+import time
+from collections import Counter
+
+import zmq
+
+from tandem.config import CurveConfig
+from tandem.transport.auth import configure_client, configure_server
+from tandem.transport.wire import MAX_MESSAGE_BYTES, WireError, decode_group, encode_group
+from tandem.types import Group
+
+DEFAULT_DATA_PORT = 5555
+WARN_INTERVAL_S = 5.0  # at most one warning per drop reason in this many seconds
+
+logger = logging.getLogger(__name__)
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for tests and tools; another process may take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _remaining_ms(deadline: float | None) -> int | None:
+    return None if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
+
+
+class GroupSender:
+    """Sampler side: a PUSH socket that connects to the trainer's `GroupReceiver`.
+
+    Delivery guarantees:
+    - Pattern: PUSH (sampler, connects) -> PULL (trainer, binds); many samplers may fan in to one
+      trainer. Groups from one sender arrive in the order they were sent; groups of different
+      senders interleave.
+    - Backpressure, never loss: at most `sndhwm` groups wait in this socket (plus the trainer's
+      `rcvhwm` and whatever the OS socket buffers hold). When they are full, `send` blocks, so
+      a slow trainer makes a fast sampler wait; with `timeout` it raises `TimeoutError` instead.
+      Nothing is dropped silently. Before the trainer is up, groups queue up to `sndhwm` and
+      then `send` blocks until it connects.
+    - A group in flight when the trainer dies is lost. That is harmless: the sampler keeps
+      producing, every group records its `policy_version`, and the trainer's staleness filter
+      drops groups that are too old once it is back (DESIGN.md section 4).
+    - `close()` waits at most `linger` seconds for queued groups to leave, then discards them.
+    - Array frames are sent zero-copy: do not modify a group's log-prob tensors after `send`.
+    - Like every ZeroMQ socket, a sender belongs to one thread.
+    """
+
+    def __init__(
+        self,
+        address: str = f"tcp://127.0.0.1:{DEFAULT_DATA_PORT}",
+        *,
+        sndhwm: int = 4,
+        linger: float = 1.0,
+        context: zmq.Context | None = None,
+        curve: CurveConfig | None = None,
+    ):
+        if sndhwm < 1:
+            raise ValueError(f"sndhwm must be >= 1 (0 would mean an unbounded queue), got {sndhwm}")
+        self.address = address
+        self.sndhwm = sndhwm
+        self._own_context = context is None
+        self._context = zmq.Context(io_threads=1) if context is None else context
+        self._socket = self._context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, sndhwm)
+        self._socket.setsockopt(zmq.LINGER, int(linger * 1000))
+        try:
+            configure_client(self._socket, curve or CurveConfig())
+        except Exception:
+            self.close()
+            raise
+        try:
+            self._socket.connect(address)
+        except zmq.ZMQError as err:
+            self.close()
+            raise ValueError(
+                f"cannot connect to {address!r}: {err} (expected tcp://host:port or ipc://path)"
+            ) from err
+        self._closed = False
+
+    def send(self, group: Group, timeout: float | None = None) -> None:
+        """Queue one group for the trainer; blocks while the high-water mark is reached.
+
+        Raises `TimeoutError` if the group could not be queued within `timeout` seconds (None:
+        wait forever); the group was then not sent and may be retried. A group that cannot be
+        encoded raises `WireError` before anything is sent.
+        """
+        frames = encode_group(group)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._socket.poll(_remaining_ms(deadline), zmq.POLLOUT):
+                try:
+                    # a multipart message is atomic: once the first frame is queued, all are
+                    self._socket.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
+                    return
+                except zmq.Again:
+                    pass
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"group {group.group_id} not queued to {self.address} within {timeout}s: "
+                    f"the trainer is not receiving (high-water mark of {self.sndhwm} group(s) reached)"
+                )
+
+    def close(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self._socket.close()
+        if self._own_context:
+            self._context.term()  # waits up to `linger` for queued groups to be delivered
+
+    def __enter__(self) -> GroupSender:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class GroupReceiver:
+    """Trainer side: a PULL socket that binds and yields validated `Group`s.
+
+    Messages larger than `max_bytes` per frame are refused by ZeroMQ itself (ZMQ_MAXMSGSIZE),
+    which also drops that peer's connection; anything else that fails `decode_group` is dropped,
+    logged and counted in `dropped` by reason ("bad_header", "schema", "size", "frames",
+    "invalid"). `received` counts accepted groups per sampler_id. `recv` never raises on bad
+    input. At most `rcvhwm` groups per connected sampler wait here before senders block.
+    """
+
+    def __init__(
+        self,
+        address: str = f"tcp://*:{DEFAULT_DATA_PORT}",
+        *,
+        max_bytes: int = MAX_MESSAGE_BYTES,
+        rcvhwm: int = 8,
+        context: zmq.Context | None = None,
+        curve: CurveConfig | None = None,
+    ):
+        if rcvhwm < 1:
+            raise ValueError(f"rcvhwm must be >= 1 (0 would mean an unbounded queue), got {rcvhwm}")
+        self.max_bytes = max_bytes
+        self.dropped: Counter[str] = Counter()
+        self.received: Counter[str] = Counter()
+        self._last_warning: dict[str, float] = {}
+        self._own_context = context is None
+        self._context = zmq.Context(io_threads=1) if context is None else context
+        self._socket = self._context.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            configure_server(self._socket, curve or CurveConfig())
+        except Exception:
+            self.close()
+            raise
+        try:
+            self._socket.bind(address)
+        except zmq.ZMQError as err:
+            self.close()
+            if err.errno == errno.EADDRINUSE:
+                raise OSError(
+                    errno.EADDRINUSE,
+                    f"cannot bind the experience channel to {address}: address already in use "
+                    f"(is another trainer running?); choose another port, e.g. {free_tcp_port()}",
+                ) from err
+            raise ValueError(
+                f"cannot bind to {address!r}: {err} (expected tcp://*:port or ipc://path)"
+            ) from err
+        self.address = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()  # resolves port 0 / '*'
+        self._closed = False
+
+    def recv(self, timeout: float | None) -> Group | None:
+        """The next valid group, or None if none arrived within `timeout` seconds (None: wait)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._socket.poll(_remaining_ms(deadline), zmq.POLLIN):
+            frames = self._socket.recv_multipart(copy=False)
+            try:
+                group = decode_group(frames, max_bytes=self.max_bytes)
+            except WireError as err:
+                self._drop(err.reason, str(err))
+            except Exception as err:  # a bug in validation must not let a peer crash the trainer
+                logger.exception("decoding a message failed unexpectedly; dropped")
+                self._drop("error", repr(err))
+            else:
+                self.received[group.sampler_id] += 1
+                return group
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        return None
+
+    def _drop(self, reason: str, message: str) -> None:
+        self.dropped[reason] += 1
+        now = time.monotonic()
+        if now - self._last_warning.get(reason, float("-inf")) >= WARN_INTERVAL_S:
+            self._last_warning[reason] = now
+            logger.warning(
+                "dropped a message on %s (%s, %d so far): %s",
+                self.address,
+                reason,
+                self.dropped[reason],
+                message,
+            )
+
+    def close(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self._socket.close()
+        if self._own_context:
+            self._context.term()
+
+    def __enter__(self) -> GroupReceiver:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,0 +1,595 @@
+"""Weight sync, trainer -> samplers (DESIGN.md section 3): versioned snapshots in one flat buffer.
+
+A snapshot copies the policy's tensors into one contiguous byte buffer (64-byte aligned, cast to
+the sync dtype), described by a `WeightsManifest` and cut into chunks hashed with xxh3-64. Two
+methods move it:
+- `zmq`: the trainer's `WeightServer` (a ROUTER on the sync port, in its own thread) sends the
+  newest snapshot's chunks straight from memory to whoever asks; `WeightClient` (a DEALER in the
+  sampler) receives each chunk directly into its buffer and checks its hash.
+- `fs` (the seed's method): `FsWeightWriter` writes `vNNNNNNNN/{weights.bin, manifest.json}` into
+  a temporary folder, fsyncs and renames it, then prunes old versions; `FsWeightReader` only ever
+  sees complete versions and checks every chunk's hash.
+Both carry the trainer's `TrainerStatus` (newest version, starved, finished) the same way, and the
+sampler applies a version between generation batches only (`load_weights`).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import xxhash
+import zmq
+
+from tandem.atomic import atomic_dir, atomic_write_text
+from tandem.config import CurveConfig
+from tandem.transport.auth import configure_client, configure_server
+from tandem.transport.wire import (
+    WEIGHT_DTYPES,
+    WireError,
+    decode_control,
+    decode_weights_header,
+    encode_control,
+    encode_weights_chunk,
+    manifest_from_json,
+    manifest_to_json,
+)
+from tandem.types import TensorSpec, TrainerStatus, WeightsManifest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SYNC_PORT = 5556
+CHUNK_BYTES = 32 * 2**20
+ALIGN = 64
+MAX_REQUEST_BYTES = 64 * 2**10
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+
+
+class WeightSyncError(RuntimeError):
+    """Weights that cannot be applied: a corrupt chunk, or weights of another model."""
+
+
+# ----------------------------------------------------------------------------- snapshots
+
+
+@dataclass
+class Snapshot:
+    manifest: WeightsManifest
+    flat: torch.Tensor  # uint8 [total_bytes], never modified once published
+
+    def chunk(self, index: int) -> memoryview:
+        offset, nbytes, _ = self.manifest.chunks[index]
+        return memoryview(self.flat.numpy())[offset : offset + nbytes]
+
+
+def _hash(view) -> str:
+    return xxhash.xxh3_64_hexdigest(view)
+
+
+def take_snapshot(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    run_id: str,
+    dtype: str | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Snapshot:
+    """Copy tensors (any device) into a new flat CPU buffer, cast to `dtype` (None: keep each one's)."""
+    items = [(name, t.detach()) for name, t in named_tensors]
+    specs, offset = [], 0
+    for name, t in items:
+        name_dtype = dtype or _DTYPE_NAMES.get(t.dtype)
+        if name_dtype not in WEIGHT_DTYPES:
+            raise WeightSyncError(
+                f"tensor {name} has dtype {t.dtype}; weights sync carries {sorted(WEIGHT_DTYPES)}"
+            )
+        nbytes = t.numel() * WEIGHT_DTYPES[name_dtype]
+        specs.append(TensorSpec(name, name_dtype, tuple(t.shape), offset, nbytes))
+        offset = -(-(offset + nbytes) // ALIGN) * ALIGN
+    flat = torch.empty(offset, dtype=torch.uint8)
+    end = 0
+    for spec, (_, t) in zip(specs, items):
+        flat[end : spec.offset] = 0  # alignment padding: keep the buffer (and its hashes) deterministic
+        tensor_view(flat, spec).copy_(t)
+        end = spec.offset + spec.nbytes
+    flat[end:] = 0
+    data = memoryview(flat.numpy())
+    chunks = tuple(
+        (start, min(chunk_bytes, offset - start), _hash(data[start : start + chunk_bytes]))
+        for start in range(0, offset, chunk_bytes)
+    )
+    return Snapshot(WeightsManifest(version, run_id, offset, tuple(specs), chunks), flat)
+
+
+def tensor_view(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """The tensor `spec` describes, as a view into the flat uint8 buffer."""
+    raw = flat[spec.offset : spec.offset + spec.nbytes]
+    return raw.view(_TORCH_DTYPES[spec.dtype]).view(spec.shape)
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, flat: torch.Tensor, manifest: WeightsManifest) -> None:
+    """Copy a received version into `model`'s parameters (casting to their dtype and device)."""
+    params = dict(model.named_parameters())
+    names = {t.name for t in manifest.tensors}
+    if names != set(params):
+        missing, extra = sorted(set(params) - names), sorted(names - set(params))
+        raise WeightSyncError(
+            f"weights v{manifest.version} do not match this model: missing {missing[:3]}, unexpected "
+            f"{extra[:3]}; the sampler and the trainer must load the same model.policy"
+        )
+    for spec in manifest.tensors:
+        param = params[spec.name]
+        if tuple(param.shape) != spec.shape:
+            raise WeightSyncError(
+                f"{spec.name}: trainer sends shape {list(spec.shape)}, model has {list(param.shape)}"
+            )
+        param.copy_(tensor_view(flat, spec))
+
+
+def verify_chunks(flat: torch.Tensor, manifest: WeightsManifest) -> None:
+    data = memoryview(flat.numpy())
+    for i, (offset, nbytes, digest) in enumerate(manifest.chunks):
+        if _hash(data[offset : offset + nbytes]) != digest:
+            raise WeightSyncError(f"weights v{manifest.version}: chunk {i} fails its checksum")
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+# ----------------------------------------------------------------------------- zmq method
+
+
+class WeightServer:
+    """Trainer side of the `zmq` method: serves the newest snapshot and the trainer's status.
+
+    A ROUTER bound on the sync port, driven by one background thread. Requests are one-frame
+    control messages: `status` (optionally long-polled until a version newer than `newer_than`
+    appears) and `fetch` (all chunks of the newest snapshot, sent zero-copy). Malformed requests
+    are dropped and counted in `dropped`; a slow sampler never blocks the trainer.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        run_id: str,
+        context: zmq.Context | None = None,
+        curve: CurveConfig | None = None,
+    ) -> None:
+        self._own_context = context is None
+        self._context = context or zmq.Context()
+        self._router = self._context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises, never vanishes
+        self._router.setsockopt(zmq.SNDHWM, 1000)  # chunks are zero-copy references: cheap to queue
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._router.setsockopt(zmq.LINGER, 0)
+        try:
+            configure_server(self._router, curve or CurveConfig())
+            self._router.bind(address)
+        except zmq.ZMQError as err:
+            self._router.close()
+            if err.errno == errno.EADDRINUSE:
+                raise OSError(
+                    errno.EADDRINUSE,
+                    f"cannot bind the weight-sync channel to {address}: address already in use (is another "
+                    "trainer running?); set pipeline.sync_port to a free port",
+                ) from err
+            raise
+        self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        wake = f"inproc://tandem-weights-{id(self)}"
+        self._wake_in = self._context.socket(zmq.PAIR)
+        self._wake_in.setsockopt(zmq.LINGER, 0)
+        self._wake_in.bind(wake)
+        self._wake_out = self._context.socket(zmq.PAIR)
+        self._wake_out.setsockopt(zmq.LINGER, 0)
+        self._wake_out.connect(wake)
+        self._lock = threading.Lock()
+        self._snapshot: Snapshot | None = None
+        self._status = TrainerStatus(version=-1, run_id=run_id)
+        self._stop = False
+        self.dropped: Counter[str] = Counter()
+        self.served: Counter[str] = Counter()
+        self._thread = threading.Thread(target=self._serve, name="tandem-weight-server", daemon=True)
+        self._thread.start()
+
+    # --- main thread
+    def publish(self, snapshot: Snapshot) -> None:
+        with self._lock:
+            self._snapshot = snapshot
+            self._status = replace(self._status, version=snapshot.manifest.version)
+        self._wake_out.send(b"")
+
+    def set_status(self, *, starved: bool | None = None, finished: bool | None = None) -> None:
+        with self._lock:
+            old = self._status
+            self._status = replace(
+                old,
+                starved=old.starved if starved is None else starved,
+                finished=old.finished if finished is None else finished,
+            )
+            changed = self._status != old
+        if changed:
+            self._wake_out.send(b"")
+
+    def close(self) -> None:
+        if self._stop:
+            return
+        self._stop = True
+        self._wake_out.send(b"")
+        self._thread.join(timeout=10)
+        self._wake_out.close()
+        if self._own_context:
+            self._context.term()
+
+    # --- server thread
+    def _serve(self) -> None:
+        waiters: list[tuple[bytes, str, int, str | None, float]] = []
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        try:
+            while not self._stop:
+                timeout = min((w[4] for w in waiters), default=time.monotonic() + 1.0)
+                events = dict(poller.poll(max(0, int((timeout - time.monotonic()) * 1000)) + 1))
+                if self._wake_in in events:
+                    while self._wake_in.poll(0):
+                        self._wake_in.recv()
+                while self._router.poll(0):
+                    request = self._receive()
+                    try:
+                        if request is not None:
+                            waiters += self._handle(*request)
+                    except Exception:  # a bug here must not stop weight sync for every sampler
+                        self.dropped["error"] += 1
+                        log.exception("weight server failed on a request; dropped it")
+                waiters = self._answer_waiters(waiters)
+        finally:
+            self._router.close()
+            self._wake_in.close()
+
+    def _receive(self) -> tuple[bytes, str, dict] | None:
+        frames = self._router.recv_multipart(copy=False)
+        identity, body = frames[0].bytes, frames[1:]
+        try:
+            kind, payload = decode_control(body, max_bytes=MAX_REQUEST_BYTES)
+            if kind not in ("status", "fetch") or not isinstance(payload.get("request"), str):
+                raise WireError(f"unknown request {kind!r}")
+        except WireError as err:
+            self.dropped[err.reason] += 1
+            log.warning("weight server dropped a request (%d so far): %s", sum(self.dropped.values()), err)
+            return None
+        return identity, kind, payload
+
+    def _handle(self, identity: bytes, kind: str, payload: dict) -> list:
+        request = payload["request"]
+        with self._lock:
+            snapshot, status = self._snapshot, self._status
+        if kind == "fetch":
+            if snapshot is None:
+                self._reply(identity, request, status)
+            else:
+                self._send_snapshot(identity, request, snapshot)
+            return []
+        newer_than, run_id = payload.get("newer_than"), payload.get("run_id")
+        wait_s = payload.get("wait_s", 0.0)
+        wait_s = min(float(wait_s), 60.0) if isinstance(wait_s, (int, float)) and wait_s > 0 else 0.0
+        if wait_s and isinstance(newer_than, int) and not _is_news(status, newer_than, run_id):
+            return [(identity, request, newer_than, run_id, time.monotonic() + wait_s)]
+        self._reply(identity, request, status)
+        return []
+
+    def _answer_waiters(self, waiters: list) -> list:
+        with self._lock:
+            status = self._status
+        now, still = time.monotonic(), []
+        for identity, request, newer_than, run_id, deadline in waiters:
+            if now >= deadline or _is_news(status, newer_than, run_id):
+                self._reply(identity, request, status)
+            else:
+                still.append((identity, request, newer_than, run_id, deadline))
+        return still
+
+    def _send(self, identity: bytes, frames: list) -> bool:
+        try:
+            self._router.send_multipart([identity, *frames], flags=zmq.DONTWAIT, copy=False)
+            return True
+        except zmq.ZMQError as err:  # EHOSTUNREACH: the sampler left; EAGAIN: it stopped reading
+            self.dropped["unroutable"] += 1
+            log.debug("weight server could not reply to a sampler: %s", err)
+            return False
+
+    def _reply(self, identity: bytes, request: str, status: TrainerStatus) -> None:
+        self._send(identity, encode_control("status", {"request": request, **status_payload(status)}))
+        self.served["status"] += 1
+
+    def _send_snapshot(self, identity: bytes, request: str, snapshot: Snapshot) -> None:
+        for index in range(len(snapshot.manifest.chunks)):
+            frames = encode_weights_chunk(snapshot.manifest, index, snapshot.chunk(index), request=request)
+            if not self._send(identity, frames):
+                return
+        self.served["fetch"] += 1
+
+
+def _is_news(status: TrainerStatus, newer_than: int, run_id: str | None) -> bool:
+    return status.finished or status.version > newer_than or (run_id is not None and status.run_id != run_id)
+
+
+def status_payload(status: TrainerStatus) -> dict:
+    return {
+        "version": status.version,
+        "run_id": status.run_id,
+        "starved": status.starved,
+        "finished": status.finished,
+    }
+
+
+def status_from_payload(payload: dict) -> TrainerStatus:
+    try:
+        status = TrainerStatus(
+            version=payload["version"],
+            run_id=payload["run_id"],
+            starved=payload["starved"],
+            finished=payload["finished"],
+        )
+    except (KeyError, TypeError) as err:
+        raise WireError(f"malformed trainer status: {err}") from err
+    ok = isinstance(status.version, int) and isinstance(status.run_id, str)
+    if not (ok and isinstance(status.starved, bool) and isinstance(status.finished, bool)):
+        raise WireError(f"malformed trainer status: {payload!r:.200}")
+    return status
+
+
+class WeightClient:
+    """Sampler side of the `zmq` method: asks the trainer's `WeightServer` for status and weights.
+
+    Every request carries a fresh id and replies with another id are discarded, so a reply that
+    arrives after its request timed out (a trainer that was busy or restarted) is harmless.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        context: zmq.Context | None = None,
+        curve: CurveConfig | None = None,
+        max_chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.address = address
+        self._own_context = context is None
+        self._context = context or zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max_chunk_bytes + MAX_REQUEST_BYTES)
+        self._max_bytes = max_chunk_bytes + MAX_REQUEST_BYTES
+        configure_client(self._socket, curve or CurveConfig())
+        self._socket.connect(address)
+        self._flat: torch.Tensor | None = None
+
+    def _request(self, kind: str, payload: dict) -> str:
+        request = uuid.uuid4().hex
+        self._socket.send_multipart(encode_control(kind, {"request": request, **payload}))
+        return request
+
+    def _next_frame(self, deadline: float) -> zmq.Frame | None:
+        if not self._socket.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            return None
+        return self._socket.recv(copy=False)
+
+    def _drain_message(self) -> None:
+        while self._socket.getsockopt(zmq.RCVMORE):
+            self._socket.recv(copy=False)
+
+    def status(
+        self,
+        *,
+        newer_than: int | None = None,
+        run_id: str | None = None,
+        wait_s: float = 0.0,
+        timeout_s: float = 5.0,
+    ) -> TrainerStatus | None:
+        """The trainer's status; with `newer_than`, waits up to `wait_s` for a newer version.
+        None when the trainer did not answer within wait_s + timeout_s."""
+        payload = {"newer_than": newer_than, "run_id": run_id, "wait_s": wait_s}
+        request = self._request("status", payload)
+        deadline = time.monotonic() + wait_s + timeout_s
+        while (frame := self._next_frame(deadline)) is not None:
+            status = self._status_reply(frame, request)
+            if status is not None:
+                return status
+        return None
+
+    def _status_reply(self, frame: zmq.Frame, request: str) -> TrainerStatus | None:
+        if self._socket.getsockopt(zmq.RCVMORE):  # a chunk of an abandoned fetch
+            self._drain_message()
+            return None
+        try:
+            kind, payload = decode_control([frame], max_bytes=self._max_bytes)
+            if kind != "status" or payload.get("request") != request:
+                return None
+            return status_from_payload(payload)
+        except WireError as err:
+            log.warning("ignored a malformed reply from the trainer: %s", err)
+            return None
+
+    def fetch(self, *, timeout_s: float = 60.0) -> tuple[WeightsManifest, torch.Tensor] | None:
+        """The newest version (manifest, flat buffer); None if the trainer has none yet or is silent.
+        The buffer is reused between fetches: apply it (load_weights) before fetching again."""
+        request = self._request("fetch", {})
+        deadline = time.monotonic() + timeout_s
+        manifest, received = None, 0
+        while (frame := self._next_frame(deadline)) is not None:
+            if not self._socket.getsockopt(zmq.RCVMORE):  # a one-frame status: no weights yet
+                if self._status_reply(frame, request) is not None:
+                    return None
+                continue
+            try:
+                header = decode_weights_header(frame, max_bytes=self._max_bytes)
+            except WireError as err:
+                self._drain_message()
+                raise WeightSyncError(f"malformed weights chunk from the trainer: {err}") from err
+            if header["request"] != request:
+                self._drain_message()
+                continue
+            if header["index"] == 0:
+                manifest, received = header["manifest"], 0
+                if self._flat is None or self._flat.numel() != manifest.total_bytes:
+                    self._flat = torch.empty(manifest.total_bytes, dtype=torch.uint8)
+            if manifest is None or header["index"] != received:
+                raise WeightSyncError(f"weights chunk {header['index']} arrived out of order")
+            self._receive_chunk(manifest, header)
+            received += 1
+            if received == len(manifest.chunks):
+                return manifest, self._flat
+        return None
+
+    def _receive_chunk(self, manifest: WeightsManifest, header: dict) -> None:
+        offset, nbytes, digest = manifest.chunks[header["index"]]
+        if (header["offset"], header["nbytes"], header["hash"]) != (offset, nbytes, digest):
+            self._drain_message()
+            raise WeightSyncError(f"weights chunk {header['index']} disagrees with the manifest")
+        target = memoryview(self._flat.numpy())[offset : offset + nbytes]
+        size = self._socket.recv_into(target)  # straight into the buffer: no intermediate copy
+        if size != nbytes:
+            raise WeightSyncError(f"weights chunk {header['index']} has {size} bytes, expected {nbytes}")
+        if _hash(target) != digest:
+            raise WeightSyncError(f"weights v{manifest.version}: chunk {header['index']} fails its checksum")
+
+    def close(self) -> None:
+        self._socket.close()
+        if self._own_context:
+            self._context.term()
+
+
+# ----------------------------------------------------------------------------- fs method
+
+STATUS_FILE = "status.json"
+
+
+def _version_dir(root: Path, version: int) -> Path:
+    return root / f"v{version:08d}"
+
+
+def list_versions(root: Path) -> list[tuple[int, Path]]:
+    """Complete versions, oldest first (temporary folders of an interrupted write are ignored)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        name = path.name
+        if name.startswith("v") and name[1:].isdigit() and (path / "manifest.json").is_file():
+            found.append((int(name[1:]), path))
+    return sorted(found)
+
+
+class FsWeightWriter:
+    """Trainer side of the `fs` method: versions as folders, written atomically, old ones pruned."""
+
+    def __init__(self, root: str | Path, *, run_id: str, keep: int = 2) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self._status = TrainerStatus(version=-1, run_id=run_id)
+        self._write_status()
+
+    def publish(self, snapshot: Snapshot) -> None:
+        def write(tmp: Path) -> None:
+            with open(tmp / "weights.bin", "wb") as f:
+                f.write(memoryview(snapshot.flat.numpy()))
+            (tmp / "manifest.json").write_text(json.dumps(manifest_to_json(snapshot.manifest)))
+
+        atomic_dir(_version_dir(self.root, snapshot.manifest.version), write)
+        # a sampler may be reading a pruned version: its open file stays readable until closed
+        for _, path in list_versions(self.root)[: -self.keep]:
+            for file in path.iterdir():
+                file.unlink(missing_ok=True)
+            path.rmdir()
+        self._status = replace(self._status, version=snapshot.manifest.version)
+        self._write_status()
+
+    def set_status(self, *, starved: bool | None = None, finished: bool | None = None) -> None:
+        old = self._status
+        self._status = replace(
+            old,
+            starved=old.starved if starved is None else starved,
+            finished=old.finished if finished is None else finished,
+        )
+        if self._status != old:
+            self._write_status()
+
+    def _write_status(self) -> None:
+        atomic_write_text(self.root / STATUS_FILE, json.dumps(status_payload(self._status)), fsync=False)
+
+    def close(self) -> None:
+        pass
+
+
+class FsWeightReader:
+    """Sampler side of the `fs` method (the folder may be shared between hosts, e.g. over NFS)."""
+
+    POLL_S = 0.05
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self._flat: torch.Tensor | None = None
+
+    def _read_status(self) -> TrainerStatus | None:
+        try:
+            return status_from_payload(json.loads((self.root / STATUS_FILE).read_text()))
+        except (FileNotFoundError, json.JSONDecodeError, WireError):
+            return None
+
+    def status(
+        self,
+        *,
+        newer_than: int | None = None,
+        run_id: str | None = None,
+        wait_s: float = 0.0,
+        timeout_s: float = 5.0,
+    ) -> TrainerStatus | None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            status = self._read_status()
+            done = newer_than is None or (status is not None and _is_news(status, newer_than, run_id))
+            if done or time.monotonic() >= deadline:
+                return status
+            time.sleep(self.POLL_S)
+
+    def fetch(self, *, timeout_s: float = 60.0) -> tuple[WeightsManifest, torch.Tensor] | None:
+        for _ in range(5):  # the newest version may be pruned under our feet: take the next newest
+            versions = list_versions(self.root)
+            if not versions:
+                return None
+            try:
+                return self._read(versions[-1][1])
+            except FileNotFoundError:
+                continue
+        return None
+
+    def _read(self, path: Path) -> tuple[WeightsManifest, torch.Tensor]:
+        try:
+            manifest = manifest_from_json(json.loads((path / "manifest.json").read_text()))
+        except (json.JSONDecodeError, WireError) as err:
+            raise WeightSyncError(f"{path}/manifest.json is malformed: {err}") from err
+        if self._flat is None or self._flat.numel() != manifest.total_bytes:
+            self._flat = torch.empty(manifest.total_bytes, dtype=torch.uint8)
+        with open(path / "weights.bin", "rb") as f:
+            size = f.readinto(memoryview(self._flat.numpy()))
+            if size != manifest.total_bytes or f.read(1):
+                raise WeightSyncError(f"{path}/weights.bin does not have {manifest.total_bytes} bytes")
+        verify_chunks(self._flat, manifest)
+        return manifest, self._flat
+
+    def close(self) -> None:
+        pass

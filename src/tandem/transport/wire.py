@@ -1,0 +1,632 @@
+"""Byte layout of everything on a tandem socket: a versioned JSON header plus raw array frames.
+
+This is the only module that knows the layout (DESIGN.md section 2). A `Group` travels as one
+multipart ZeroMQ message:
+
+| frame | content                                        | encoding                          |
+|-------|------------------------------------------------|-----------------------------------|
+| 0     | header: schema, kind, every scalar/str field,  | UTF-8 JSON object                 |
+|       | metadata, and a descriptor for every array     |                                   |
+| 1     | prefix_token_ids                               | int32, little-endian, raw bytes   |
+| then, | per completion, in order:                      |                                   |
+| +0    | generated_token_ids                            | int32, little-endian, raw bytes   |
+| +1    | old_policy_log_probs                           | float32, little-endian, raw bytes |
+| +2    | ref_policy_log_probs (no frame when null)      | float32, little-endian, raw bytes |
+
+An array descriptor is `{"frame": i, "dtype": "int32" | "float32", "shape": [n]}`; frame i must
+hold exactly n * itemsize bytes and descriptors name frames 1, 2, 3, ... in the order above.
+`whole_token_ids` is not sent: it is `prefix_token_ids + generated_token_ids`, rebuilt by
+`Group.whole_token_ids`. Control messages (`encode_control`) are a single header frame.
+
+Weights travel on the sync channel as one message per chunk of a flat buffer (`encode_weights_chunk`):
+frame 0 a header {schema, kind: "weights", request, index, count, offset, nbytes, hash, manifest}
+(the manifest, the list of tensors and chunks, rides only in chunk 0), frame 1 the chunk's raw bytes.
+
+Why no pickle: unpickling runs code chosen by the sender, so anyone who can reach a port that
+unpickles owns the process. Decoding here only parses JSON and copies raw numbers; every field
+is checked against a fixed schema and any failure is a `WireError` carrying a `reason` class
+(the receiver counts drops by it). Nothing in a message is ever imported, evaluated or called.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.types import Completion, Group, TensorSpec, WeightsManifest
+
+SCHEMA_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 2**20
+MAX_METADATA_DEPTH = 32
+
+# wire dtype -> little-endian numpy dtype; nothing outside this table is ever decoded
+_DTYPES = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4")}
+_INT32_MAX = 2**31 - 1
+
+# the schema: exactly these keys, no more, no fewer (a change here is a SCHEMA_VERSION bump)
+_GROUP_KEYS = frozenset(
+    {"schema", "kind", "group_id", "prompt_id", "prefix", "prefix_tokens", "prefix_token_ids"}
+    | {"policy_version", "sampler_id", "created_at", "metadata", "completions"}
+)
+_COMPLETION_KEYS = frozenset(
+    {"text", "is_finished", "reward", "reward_info", "advantage", "generated_token_ids"}
+    | {"old_policy_log_probs", "ref_policy_log_probs"}
+)
+_DESCRIPTOR_KEYS = frozenset({"frame", "dtype", "shape"})
+_CONTROL_KEYS = frozenset({"schema", "kind", "payload"})
+_CHUNK_KEYS = frozenset(
+    {"schema", "kind", "request", "index", "count", "offset", "nbytes", "hash", "manifest"}
+)
+_MANIFEST_KEYS = frozenset({"version", "run_id", "total_bytes", "tensors", "chunks"})
+_TENSOR_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes"})
+WEIGHT_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # name -> itemsize
+
+# the `reason` classes of WireError, for counting dropped messages
+REASONS = ("bad_header", "schema", "size", "frames", "invalid")
+
+
+class WireError(ValueError):
+    """A message that cannot be encoded or that fails to decode/validate.
+
+    `reason` is a coarse class for counting drops: "bad_header" (frame 0 is not a UTF-8 JSON
+    object), "schema" (wrong schema version or kind), "size" (over the byte cap), "frames"
+    (frame count or frame length does not match the header), "invalid" (any other field).
+    """
+
+    def __init__(self, message: str, reason: str = "invalid"):
+        super().__init__(message)
+        self.reason = reason
+
+
+# ----------------------------------------------------------------------------- encode
+
+
+def encode_group(group: Group) -> list[bytes | memoryview]:
+    """Group -> multipart frames; array frames are memoryviews of contiguous buffers (no copy).
+
+    Log-prob tensors that are already contiguous float32 on the CPU are sent without a copy, so
+    do not modify them until the send has completed. Token ids are python lists and are packed
+    into int32 once. Raises WireError for anything the decoder would reject.
+    """
+    if not isinstance(group.metadata, dict):
+        raise WireError(f"metadata must be a dict, got {_type(group.metadata)}")
+    _check_json_safe(group.metadata, "metadata")
+    arrays: list[memoryview] = []
+
+    def add(array: np.ndarray) -> dict[str, Any]:
+        arrays.append(memoryview(array).cast("B"))  # a flat byte view of the same memory
+        return {"frame": len(arrays), "dtype": array.dtype.name, "shape": [len(array)]}
+
+    header = {
+        "schema": SCHEMA_VERSION,
+        "kind": "group",
+        "group_id": _check_str(group.group_id, "group_id"),
+        "prompt_id": _check_str(group.prompt_id, "prompt_id"),
+        "prefix": _check_str(group.prefix, "prefix"),
+        "prefix_tokens": _str_list(group.prefix_tokens, "prefix_tokens"),
+        "prefix_token_ids": add(_pack_token_ids(group.prefix_token_ids, "prefix_token_ids")),
+        "policy_version": _check_version(group.policy_version),
+        "sampler_id": _check_str(group.sampler_id, "sampler_id"),
+        "created_at": _finite(group.created_at, "created_at"),
+        "metadata": group.metadata,
+        "completions": [],
+    }
+    for i, c in enumerate(group.completions):
+        where = f"completions[{i}]"
+        token_ids = _pack_token_ids(c.generated_token_ids, f"{where}.generated_token_ids")
+        old = _pack_logprobs(c.old_policy_log_probs, len(token_ids), f"{where}.old_policy_log_probs")
+        ref = c.ref_policy_log_probs
+        ref = None if ref is None else _pack_logprobs(ref, len(token_ids), f"{where}.ref_policy_log_probs")
+        header["completions"].append(
+            {
+                "text": _check_str(c.text, f"{where}.text"),
+                "is_finished": _check_bool(c.is_finished, f"{where}.is_finished"),
+                "reward": _finite(c.reward, f"{where}.reward"),
+                "reward_info": _float_dict(c.reward_info, f"{where}.reward_info"),
+                "advantage": _finite(c.advantage, f"{where}.advantage"),
+                "generated_token_ids": add(token_ids),
+                "old_policy_log_probs": add(old),
+                "ref_policy_log_probs": None if ref is None else add(ref),
+            }
+        )
+    return [_dump_header(header), *arrays]
+
+
+def encode_control(kind: str, payload: dict) -> list[bytes]:
+    """A control message ("hello", "stop", ...): one JSON header frame, same schema version."""
+    if not isinstance(kind, str) or not kind or kind == "group":
+        raise WireError(f"control kind must be a non-empty str other than 'group', got {kind!r}")
+    if not isinstance(payload, dict):
+        raise WireError(f"control payload must be a dict, got {type(payload).__name__}")
+    _check_json_safe(payload, "payload")
+    return [_dump_header({"schema": SCHEMA_VERSION, "kind": kind, "payload": payload})]
+
+
+def _dump_header(header: dict) -> bytes:
+    try:
+        text = json.dumps(header, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode("utf-8")
+    except (TypeError, ValueError) as err:  # UnicodeEncodeError (lone surrogate) is a ValueError
+        raise WireError(f"header cannot be encoded as UTF-8 JSON: {err}") from err
+
+
+def _pack_token_ids(token_ids: Sequence[int], where: str) -> np.ndarray:
+    try:
+        array = np.asarray(token_ids)
+    except (TypeError, ValueError) as err:  # ragged nesting
+        raise WireError(f"{where} must be a flat list of ints: {err}") from err
+    if array.size == 0:
+        return np.zeros(0, dtype=_DTYPES["int32"])
+    if array.ndim != 1 or array.dtype.kind not in "iu":  # no silent float -> int truncation
+        raise WireError(f"{where} must be a flat list of ints, got {array.ndim}-D {array.dtype}")
+    if array.min() < 0 or array.max() > _INT32_MAX:
+        raise WireError(f"{where} must lie in [0, 2**31), got values in [{array.min()}, {array.max()}]")
+    return array.astype(_DTYPES["int32"])
+
+
+def _pack_logprobs(values: torch.Tensor, length: int, where: str) -> np.ndarray:
+    tensor = torch.as_tensor(values).detach()
+    if not tensor.is_floating_point():
+        raise WireError(f"{where} must be a float tensor, got {tensor.dtype}")
+    if tensor.shape != (length,):
+        raise WireError(f"{where} has shape {list(tensor.shape)}, expected [{length}] (one per token)")
+    if not bool(torch.isfinite(tensor).all()):
+        raise WireError(f"{where} contains NaN or inf")
+    # no copy when the tensor is already contiguous float32 on the CPU (little-endian hosts)
+    array = tensor.to("cpu", torch.float32).contiguous().numpy()
+    return np.asarray(array, dtype=_DTYPES["float32"])
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def decode_group(frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES) -> Group:
+    """Frames (bytes, memoryview or zmq.Frame) -> Group, validating everything; else WireError.
+
+    Arrays are copied out of the frames, so the Group holds no ZeroMQ memory.
+    """
+    views = _byte_views(frames, max_bytes)
+    header = _load_header(views[0])
+    _check_schema(header, "group")
+    _check_keys(header, _GROUP_KEYS, "header")
+
+    raw_completions = header["completions"]
+    if not isinstance(raw_completions, list):
+        raise WireError(f"completions must be a list, got {_type(raw_completions)}")
+    for i, c in enumerate(raw_completions):
+        if not isinstance(c, dict):
+            raise WireError(f"completions[{i}] must be an object, got {_type(c)}")
+        _check_keys(c, _COMPLETION_KEYS, f"completions[{i}]")
+
+    # every array descriptor in frame order, with the dtype its field requires
+    slots = [("prefix_token_ids", header["prefix_token_ids"], "int32")]
+    for i, c in enumerate(raw_completions):
+        slots.append((f"completions[{i}].generated_token_ids", c["generated_token_ids"], "int32"))
+        slots.append((f"completions[{i}].old_policy_log_probs", c["old_policy_log_probs"], "float32"))
+        if c["ref_policy_log_probs"] is not None:
+            slots.append((f"completions[{i}].ref_policy_log_probs", c["ref_policy_log_probs"], "float32"))
+    arrays = _read_arrays(slots, views, max_bytes)
+
+    prefix_ids = _token_ids(arrays["prefix_token_ids"], "prefix_token_ids")
+    completions = [_completion(c, i, arrays) for i, c in enumerate(raw_completions)]
+    metadata = header["metadata"]
+    if not isinstance(metadata, dict):
+        raise WireError(f"metadata must be an object, got {_type(metadata)}")
+    _check_json_safe(metadata, "metadata")
+    return Group(
+        group_id=_check_str(header["group_id"], "group_id"),
+        prompt_id=_check_str(header["prompt_id"], "prompt_id"),
+        prefix=_check_str(header["prefix"], "prefix"),
+        prefix_token_ids=prefix_ids,
+        completions=completions,
+        policy_version=_check_version(header["policy_version"]),
+        sampler_id=_check_str(header["sampler_id"], "sampler_id"),
+        created_at=_finite(header["created_at"], "created_at"),
+        metadata=metadata,
+        prefix_tokens=_str_list(header["prefix_tokens"], "prefix_tokens"),
+    )
+
+
+def decode_control(frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[str, dict]:
+    """One-frame control message -> (kind, payload); WireError for anything else."""
+    views = _byte_views(frames, max_bytes)
+    if len(views) != 1:
+        raise WireError(f"a control message has 1 frame, got {len(views)}", "frames")
+    header = _load_header(views[0])
+    _check_schema(header, None)
+    _check_keys(header, _CONTROL_KEYS, "control header")
+    kind, payload = header["kind"], header["payload"]
+    if kind == "group":
+        raise WireError("this is a group message, not a control message", "schema")
+    if not isinstance(payload, dict):
+        raise WireError(f"control payload must be an object, got {_type(payload)}")
+    return kind, payload
+
+
+def _byte_views(frames: Sequence[Any], max_bytes: int) -> list[memoryview]:
+    if isinstance(frames, (bytes, bytearray, memoryview, str)) or not isinstance(frames, Sequence):
+        raise WireError(f"frames must be a list of byte buffers, got {type(frames).__name__}", "frames")
+    if not frames:
+        raise WireError("message has no frames", "frames")
+    views = []
+    for i, frame in enumerate(frames):
+        buffer = getattr(frame, "buffer", frame)  # zmq.Frame exposes its bytes as .buffer
+        try:
+            view = memoryview(buffer)
+            if view.format != "B" or view.ndim != 1:
+                view = view.cast("B")
+        except TypeError as err:
+            reason = "bad_header" if i == 0 else "frames"
+            raise WireError(f"frame {i} is not a byte buffer ({type(frame).__name__})", reason) from err
+        views.append(view)
+    total = sum(len(v) for v in views)
+    if total > max_bytes:
+        raise WireError(f"message is {total} bytes, cap is {max_bytes}", "size")
+    return views
+
+
+def _load_header(view: memoryview) -> dict:
+    try:
+        text = str(view, "utf-8")
+    except UnicodeDecodeError as err:
+        raise WireError(f"header is not valid UTF-8: {err}", "bad_header") from err
+    try:
+        header = json.loads(
+            text,
+            parse_constant=_reject_constant,
+            parse_float=_parse_float,
+            parse_int=_parse_int,
+            object_pairs_hook=_unique_keys,
+        )
+    except WireError:
+        raise
+    except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+        raise WireError(f"header is not valid JSON: {err}", "bad_header") from err
+    if not isinstance(header, dict):
+        raise WireError(f"header must be a JSON object, got {_type(header)}", "bad_header")
+    return header
+
+
+def _reject_constant(name: str) -> float:
+    raise WireError(f"header contains {name}; only finite numbers are allowed", "bad_header")
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise WireError(f"header number {text[:40]} overflows a float", "bad_header")
+    return value
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > 20:  # larger than any int64; also keeps int() off huge digit strings
+        raise WireError(f"header integer with {len(text)} digits is too large", "bad_header")
+    return int(text)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        duplicates = [k for k, n in Counter(k for k, _ in pairs).items() if n > 1]
+        raise WireError(f"header repeats key(s) {_short(sorted(duplicates))}", "bad_header")
+    return obj
+
+
+def _check_schema(header: dict, kind: str | None) -> None:
+    if "schema" not in header:
+        raise WireError(f"header has no 'schema' key; this build speaks schema {SCHEMA_VERSION}", "schema")
+    schema = header["schema"]
+    if not _is_int(schema) or schema != SCHEMA_VERSION:
+        raise WireError(
+            f"message has schema {_short(schema)}, this build speaks schema {SCHEMA_VERSION}: "
+            "run the same tandem version on the sampler and the trainer",
+            "schema",
+        )
+    actual = header.get("kind")
+    if not isinstance(actual, str) or not actual:
+        raise WireError(f"header 'kind' must be a non-empty str, got {_type(actual)}", "schema")
+    if kind is not None and actual != kind:
+        raise WireError(f"expected a {kind!r} message, got kind {_short(actual)}", "schema")
+
+
+def _check_keys(obj: dict, expected: frozenset[str], where: str) -> None:
+    missing, unexpected = expected - obj.keys(), obj.keys() - expected
+    if missing:
+        raise WireError(f"{where} is missing key(s) {sorted(missing)}")
+    if unexpected:
+        raise WireError(f"{where} has unexpected key(s) {_short(sorted(unexpected)[:10])}")
+
+
+def _read_arrays(slots: list[tuple[str, Any, str]], views: list[memoryview], max_bytes: int) -> dict:
+    """Validate every descriptor against the frames, then copy each array out."""
+    sizes = []
+    for index, (where, desc, dtype) in enumerate(slots, start=1):
+        if not isinstance(desc, dict):
+            raise WireError(f"{where} must be an array descriptor object, got {_type(desc)}")
+        _check_keys(desc, _DESCRIPTOR_KEYS, where)
+        if not isinstance(desc["dtype"], str) or desc["dtype"] not in _DTYPES:
+            raise WireError(f"{where} has dtype {_short(desc['dtype'])}, allowed: {sorted(_DTYPES)}")
+        if desc["dtype"] != dtype:
+            raise WireError(f"{where} must be {dtype}, got {desc['dtype']}")
+        shape = desc["shape"]
+        if not (isinstance(shape, list) and len(shape) == 1 and _is_int(shape[0]) and shape[0] >= 0):
+            raise WireError(f"{where} shape must be [n] with an int n >= 0, got {_short(shape)}")
+        nbytes = shape[0] * _DTYPES[dtype].itemsize
+        if nbytes > max_bytes:
+            raise WireError(f"{where} declares {nbytes} bytes, cap is {max_bytes}", "size")
+        if desc["frame"] != index or not _is_int(desc["frame"]):
+            raise WireError(f"{where} names frame {_short(desc['frame'])}, expected frame {index}", "frames")
+        sizes.append(nbytes)
+    if sum(sizes) > max_bytes:
+        raise WireError(f"header declares {sum(sizes)} array bytes, cap is {max_bytes}", "size")
+    if len(views) != len(slots) + 1:
+        raise WireError(
+            f"header describes {len(slots)} arrays, message has {len(views) - 1} array frames", "frames"
+        )
+    arrays = {}
+    for index, ((where, desc, dtype), nbytes) in enumerate(zip(slots, sizes), start=1):
+        if len(views[index]) != nbytes:
+            raise WireError(
+                f"frame {index} ({where}) has {len(views[index])} bytes, expected "
+                f"{desc['shape'][0]} x {_DTYPES[dtype].itemsize} = {nbytes}",
+                "frames",
+            )
+        # copy out (astype copies): the result is native-endian, writable and owns its memory
+        wire_dtype = _DTYPES[dtype]
+        arrays[where] = np.frombuffer(views[index], dtype=wire_dtype).astype(wire_dtype.newbyteorder("="))
+    return arrays
+
+
+def _token_ids(array: np.ndarray, where: str) -> list[int]:
+    if array.size and array.min() < 0:
+        raise WireError(f"{where} contains a negative token id ({array.min()})")
+    return array.tolist()
+
+
+def _logprobs(array: np.ndarray, length: int, where: str) -> torch.Tensor:
+    if array.shape[0] != length:
+        raise WireError(f"{where} has {array.shape[0]} values for {length} generated tokens")
+    if not np.isfinite(array).all():
+        raise WireError(f"{where} contains NaN or inf")
+    return torch.from_numpy(array)
+
+
+def _completion(c: dict, i: int, arrays: dict) -> Completion:
+    where = f"completions[{i}]"
+    token_ids = _token_ids(arrays[f"{where}.generated_token_ids"], f"{where}.generated_token_ids")
+    old = _logprobs(arrays[f"{where}.old_policy_log_probs"], len(token_ids), f"{where}.old_policy_log_probs")
+    ref = None
+    if c["ref_policy_log_probs"] is not None:
+        ref = _logprobs(
+            arrays[f"{where}.ref_policy_log_probs"], len(token_ids), f"{where}.ref_policy_log_probs"
+        )
+    return Completion(
+        text=_check_str(c["text"], f"{where}.text"),
+        generated_token_ids=token_ids,
+        is_finished=_check_bool(c["is_finished"], f"{where}.is_finished"),
+        reward=_finite(c["reward"], f"{where}.reward"),
+        reward_info=_float_dict(c["reward_info"], f"{where}.reward_info"),
+        old_policy_log_probs=old,
+        ref_policy_log_probs=ref,
+        advantage=_finite(c["advantage"], f"{where}.advantage"),
+    )
+
+
+# ----------------------------------------------------------------------------- field checks
+# shared by encode (a sampler bug fails loudly where it happens) and decode (hostile input)
+
+
+def _type(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr for an error message, bounded: the value may be a hostile peer's 60 MB string."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise WireError(f"{where} must be a str, got {_type(value)}")
+    return value
+
+
+def _check_bool(value: Any, where: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise WireError(f"{where} must be a bool, got {_type(value)}")
+    return bool(value)
+
+
+def _check_version(value: Any) -> int:
+    if not (_is_int(value) or isinstance(value, np.integer)) or not 0 <= value < 2**63:
+        raise WireError(f"policy_version must be an int in [0, 2**63), got {_short(value)} ({_type(value)})")
+    return int(value)
+
+
+def _finite(value: Any, where: str) -> float:
+    """A finite real number (bool is not a number here); numpy/torch scalars are accepted."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise WireError(f"{where} must be a finite number, got {_type(value)}")
+    try:
+        value = float(value)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise WireError(f"{where} must be a finite number, got {value}")
+    return value
+
+
+def _float_dict(value: Any, where: str) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise WireError(f"{where} must be a dict of str -> number, got {_type(value)}")
+    for key in value:
+        if not isinstance(key, str):
+            raise WireError(f"{where} keys must be str, got {_type(key)}")
+    return {key: _finite(v, f"{where}[{key!r}]") for key, v in value.items()}
+
+
+def _str_list(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list):
+        raise WireError(f"{where} must be a list of str, got {_type(value)}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise WireError(f"{where}[{i}] must be a str, got {_type(item)}")
+    return list(value)
+
+
+def _check_json_safe(value: Any, where: str, depth: int = 0) -> None:
+    """JSON types only, so that the receiver gets back exactly what was sent (no tuple->list)."""
+    if depth > MAX_METADATA_DEPTH:
+        raise WireError(f"{where} nests deeper than {MAX_METADATA_DEPTH} levels")
+    if value is None or isinstance(value, (str, bool)):
+        return
+    if isinstance(value, int):
+        if not -(2**63) <= value < 2**63:  # the decoder refuses longer integers
+            raise WireError(f"{where} = {_short(value)} does not fit in 64 bits")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise WireError(f"{where} is {value}; JSON carries finite numbers only")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json_safe(item, f"{where}[{i}]", depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise WireError(f"{where} has a {_type(key)} key {key!r}; JSON object keys must be str")
+            _check_json_safe(item, f"{where}[{key!r}]", depth + 1)
+    else:
+        raise WireError(
+            f"{where} is a {_type(value)}; the wire carries JSON types only "
+            "(dict with str keys, list, str, int, float, bool, None)"
+        )
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def manifest_to_json(manifest: WeightsManifest) -> dict:
+    return {
+        "version": manifest.version,
+        "run_id": manifest.run_id,
+        "total_bytes": manifest.total_bytes,
+        "tensors": [
+            {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset, "nbytes": t.nbytes}
+            for t in manifest.tensors
+        ],
+        "chunks": [list(c) for c in manifest.chunks],
+    }
+
+
+def manifest_from_json(obj: Any) -> WeightsManifest:
+    """Validate a manifest (from a chunk header or a manifest.json); WeightError-free: WireError."""
+    if not isinstance(obj, dict):
+        raise WireError(f"manifest must be an object, got {_type(obj)}")
+    _check_keys(obj, _MANIFEST_KEYS, "manifest")
+    total = obj["total_bytes"]
+    if not _is_int(total) or total < 0:
+        raise WireError(f"manifest.total_bytes must be an int >= 0, got {_short(total)}")
+    if not isinstance(obj["tensors"], list) or not isinstance(obj["chunks"], list):
+        raise WireError("manifest.tensors and manifest.chunks must be lists")
+    tensors = []
+    for i, t in enumerate(obj["tensors"]):
+        where = f"manifest.tensors[{i}]"
+        if not isinstance(t, dict):
+            raise WireError(f"{where} must be an object, got {_type(t)}")
+        _check_keys(t, _TENSOR_KEYS, where)
+        if t["dtype"] not in WEIGHT_DTYPES:
+            raise WireError(f"{where}.dtype is {_short(t['dtype'])}, allowed: {sorted(WEIGHT_DTYPES)}")
+        shape = t["shape"]
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise WireError(f"{where}.shape must be a list of ints >= 0, got {_short(shape)}")
+        nbytes = math.prod(shape) * WEIGHT_DTYPES[t["dtype"]]
+        offset = t["offset"]
+        if t["nbytes"] != nbytes or not _is_int(offset) or offset < 0 or offset + nbytes > total:
+            raise WireError(
+                f"{where} does not fit the buffer (offset {_short(offset)}, {nbytes} bytes, total {total})"
+            )
+        tensors.append(
+            TensorSpec(_check_str(t["name"], f"{where}.name"), t["dtype"], tuple(shape), offset, nbytes)
+        )
+    chunks, covered = [], 0
+    for i, c in enumerate(obj["chunks"]):
+        ok = isinstance(c, list) and len(c) == 3 and _is_int(c[0]) and _is_int(c[1]) and isinstance(c[2], str)
+        if not ok or c[0] != covered or c[1] <= 0:
+            raise WireError(
+                f"manifest.chunks[{i}] must be [offset, nbytes, hash] continuing at byte {covered}"
+            )
+        chunks.append((c[0], c[1], c[2]))
+        covered += c[1]
+    if covered != total:
+        raise WireError(f"manifest.chunks cover {covered} bytes of {total}")
+    return WeightsManifest(
+        version=_check_version(obj["version"]),
+        run_id=_check_str(obj["run_id"], "manifest.run_id"),
+        total_bytes=total,
+        tensors=tuple(tensors),
+        chunks=tuple(chunks),
+    )
+
+
+def encode_weights_chunk(
+    manifest: WeightsManifest, index: int, data: memoryview, *, request: str
+) -> list[bytes | memoryview]:
+    """Chunk `index` of a published version: header frame + the chunk's bytes (sent zero-copy)."""
+    offset, nbytes, digest = manifest.chunks[index]
+    if len(data) != nbytes:
+        raise WireError(f"chunk {index} has {len(data)} bytes, the manifest says {nbytes}")
+    header = {
+        "schema": SCHEMA_VERSION,
+        "kind": "weights",
+        "request": request,
+        "index": index,
+        "count": len(manifest.chunks),
+        "offset": offset,
+        "nbytes": nbytes,
+        "hash": digest,
+        "manifest": manifest_to_json(manifest) if index == 0 else None,
+    }
+    return [_dump_header(header), data]
+
+
+def decode_weights_header(frame: Any, *, max_bytes: int) -> dict:
+    """Frame 0 of a weights chunk -> its header, with a validated `manifest` on chunk 0."""
+    (view,) = _byte_views([frame], max_bytes)
+    header = _load_header(view)
+    _check_schema(header, "weights")
+    _check_keys(header, _CHUNK_KEYS, "weights header")
+    for key in ("index", "count", "offset", "nbytes"):
+        if not _is_int(header[key]) or header[key] < 0:
+            raise WireError(f"weights header {key} must be an int >= 0, got {_short(header[key])}")
+    _check_str(header["request"], "request")
+    _check_str(header["hash"], "hash")
+    if header["index"] == 0:
+        header["manifest"] = manifest_from_json(header["manifest"])
+    elif header["manifest"] is not None:
+        raise WireError("only chunk 0 carries the manifest")
+    return header
+
+
+def decode_weights_chunk(frames: Sequence[Any], *, max_bytes: int) -> tuple[dict, memoryview]:
+    """Both frames of a weights chunk -> (header, the chunk's bytes as a view)."""
+    views = _byte_views(frames, max_bytes)
+    if len(views) != 2:
+        raise WireError(f"a weights chunk has 2 frames, got {len(views)}", "frames")
+    header = decode_weights_header(views[0], max_bytes=max_bytes)
+    if header["nbytes"] != len(views[1]):
+        raise WireError(
+            f"weights chunk declares {header['nbytes']} bytes, frame has {len(views[1])}", "frames"
+        )
+    return header, views[1]

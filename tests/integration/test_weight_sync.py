@@ -1,0 +1,208 @@
+"""Weight sync over real ZeroMQ sockets and real files: versions, chunks, checksums, status, pruning."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+zmq = pytest.importorskip("zmq")
+
+from tandem.transport.channel import free_tcp_port  # noqa: E402
+from tandem.transport.weights import (  # noqa: E402
+    FsWeightReader,
+    FsWeightWriter,
+    WeightClient,
+    WeightServer,
+    WeightSyncError,
+    list_versions,
+    load_weights,
+    take_snapshot,
+    tensor_view,
+)
+from tandem.transport.wire import encode_control  # noqa: E402
+
+
+def model_pair(tiny_model_dir, seed=1):
+    from transformers import AutoModelForCausalLM
+
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    sampler = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for p in trainer.parameters():
+            p.add_(torch.randn(p.shape, generator=gen))
+    return trainer, sampler
+
+
+def same_params(a, b) -> bool:
+    return all(torch.equal(x, y.to(x.dtype)) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_snapshot_layout_is_aligned_and_exact(tiny_model):
+    snap = take_snapshot(tiny_model.named_parameters(), version=3, run_id="r", chunk_bytes=1000)
+    m = snap.manifest
+    assert m.version == 3 and m.total_bytes == snap.flat.numel()
+    assert all(t.offset % 64 == 0 for t in m.tensors)
+    assert sum(n for _, n, _ in m.chunks) == m.total_bytes and all(n <= 1000 for _, n, _ in m.chunks)
+    for spec, (name, p) in zip(m.tensors, tiny_model.named_parameters()):
+        assert spec.name == name and torch.equal(tensor_view(snap.flat, spec), p)
+    # the same weights give the same bytes, hashes included (padding is zeroed)
+    again = take_snapshot(tiny_model.named_parameters(), version=3, run_id="r", chunk_bytes=1000)
+    assert again.manifest == m and torch.equal(again.flat, snap.flat)
+
+
+def test_snapshot_in_bfloat16_halves_the_bytes(tiny_model):
+    full = take_snapshot(tiny_model.named_parameters(), version=0, run_id="r")
+    half = take_snapshot(tiny_model.named_parameters(), version=0, run_id="r", dtype="bfloat16")
+    assert half.manifest.total_bytes < 0.6 * full.manifest.total_bytes
+    spec = half.manifest.tensors[0]
+    expected = dict(tiny_model.named_parameters())[spec.name].to(torch.bfloat16)
+    assert torch.equal(tensor_view(half.flat, spec), expected)
+
+
+def test_load_weights_refuses_another_model(tiny_model):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    snap = take_snapshot(other.named_parameters(), version=0, run_id="r")
+    with pytest.raises(WeightSyncError, match="same model.policy|shape"):
+        load_weights(tiny_model, snap.flat, snap.manifest)
+
+
+@pytest.fixture
+def server_and_client():
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    server = WeightServer(address, run_id="run-a")
+    client = WeightClient(address)
+    yield server, client
+    client.close()
+    server.close()
+
+
+def test_zmq_sync_versions_and_status(tiny_model_dir, server_and_client):
+    server, client = server_and_client
+    trainer, sampler = model_pair(tiny_model_dir)
+    status = client.status()
+    assert status.version == -1 and status.run_id == "run-a" and not status.finished
+    assert client.fetch(timeout_s=5) is None  # nothing published yet
+
+    for version in range(3):
+        with torch.no_grad():
+            next(trainer.parameters()).add_(1.0)
+        server.publish(
+            take_snapshot(trainer.named_parameters(), version=version, run_id="run-a", chunk_bytes=4096)
+        )
+        manifest, flat = client.fetch(timeout_s=5)
+        assert manifest.version == version and len(manifest.chunks) > 3
+        load_weights(sampler, flat, manifest)
+        assert same_params(trainer, sampler)
+    assert client.status().version == 2
+    server.set_status(starved=True)
+    assert client.status().starved
+
+
+def test_zmq_long_poll_wakes_on_publish(tiny_model, server_and_client):
+    server, client = server_and_client
+    server.publish(take_snapshot(tiny_model.named_parameters(), version=0, run_id="run-a"))
+    start = time.monotonic()
+    assert client.status(newer_than=0, run_id="run-a", wait_s=0.3).version == 0  # nothing new: waits
+    assert time.monotonic() - start >= 0.25
+    timer = threading.Timer(
+        0.2, lambda: server.publish(take_snapshot(tiny_model.named_parameters(), version=1, run_id="run-a"))
+    )
+    timer.start()
+    start = time.monotonic()
+    status = client.status(newer_than=0, run_id="run-a", wait_s=10)
+    assert status.version == 1 and time.monotonic() - start < 5
+    timer.join()
+    # another trainer (a new run id) is news too, whatever its version
+    assert client.status(newer_than=5, run_id="run-b", wait_s=10).version == 1
+
+
+def test_zmq_server_drops_hostile_requests_and_keeps_serving(tiny_model, server_and_client):
+    server, client = server_and_client
+    server.publish(take_snapshot(tiny_model.named_parameters(), version=0, run_id="run-a"))
+    ctx = zmq.Context()
+    hostile = ctx.socket(zmq.DEALER)
+    hostile.setsockopt(zmq.LINGER, 0)
+    hostile.connect(server.address)
+    import pickle
+
+    for frames in (
+        [b"\x80junk"],
+        [pickle.dumps(object)],
+        encode_control("rm -rf", {"request": "x"}),
+        [b"{}", b"extra"],
+        encode_control("status", {"request": 5}),
+    ):
+        hostile.send_multipart(frames)
+    hostile.send(b"x" * (128 * 1024))  # over the request size cap: ZeroMQ cuts that peer off
+    deadline = time.monotonic() + 5
+    while sum(server.dropped.values()) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sum(server.dropped.values()) >= 5
+    assert client.fetch(timeout_s=5)[0].version == 0
+    hostile.close()
+    ctx.term()
+
+
+def test_zmq_client_rejects_a_corrupt_chunk(tiny_model, server_and_client):
+    server, client = server_and_client
+    snap = take_snapshot(tiny_model.named_parameters(), version=0, run_id="run-a", chunk_bytes=4096)
+    snap.flat[5000] ^= 0xFF  # corrupted after hashing
+    server.publish(snap)
+    with pytest.raises(WeightSyncError, match="checksum"):
+        client.fetch(timeout_s=5)
+
+
+def test_client_of_a_silent_trainer_times_out():
+    client = WeightClient(f"tcp://127.0.0.1:{free_tcp_port()}")
+    start = time.monotonic()
+    assert client.status(timeout_s=0.2) is None and client.fetch(timeout_s=0.2) is None
+    assert time.monotonic() - start < 3
+    client.close()
+
+
+def test_fs_sync_is_atomic_checksummed_and_pruned(tiny_model_dir, tmp_path):
+    trainer, sampler = model_pair(tiny_model_dir)
+    writer = FsWeightWriter(tmp_path / "weights", run_id="run-a", keep=2)
+    reader = FsWeightReader(tmp_path / "weights")
+    assert reader.status().version == -1 and reader.fetch() is None
+    # a half-written version (a crash before the rename) is never picked up
+    (tmp_path / "weights" / ".tmp-v00000009-x").mkdir()
+    (tmp_path / "weights" / ".tmp-v00000009-x" / "weights.bin").write_bytes(b"half")
+    for version in range(4):
+        with torch.no_grad():
+            next(trainer.parameters()).mul_(1.5)
+        writer.publish(
+            take_snapshot(trainer.named_parameters(), version=version, run_id="run-a", chunk_bytes=4096)
+        )
+        manifest, flat = reader.fetch()
+        assert manifest.version == version
+        load_weights(sampler, flat, manifest)
+        assert same_params(trainer, sampler)
+    assert [v for v, _ in list_versions(tmp_path / "weights")] == [2, 3]
+    assert reader.status(newer_than=2, run_id="run-a").version == 3
+    writer.set_status(finished=True)
+    assert reader.status().finished
+    manifest_path = tmp_path / "weights" / "v00000003" / "manifest.json"
+    assert json.loads(manifest_path.read_text())["version"] == 3
+    bin_path = tmp_path / "weights" / "v00000003" / "weights.bin"
+    data = bytearray(bin_path.read_bytes())
+    data[100] ^= 1
+    bin_path.write_bytes(bytes(data))
+    with pytest.raises(WeightSyncError, match="checksum"):
+        reader.fetch()
