@@ -1,6 +1,11 @@
 """The `tandem` command: `tandem COMMAND --help` for each.
 
-tandem grpo [CONFIG.yaml] [key=value ...]   GRPO, colocated in one process
+tandem grpo [CONFIG.yaml] [key=value ...]   GRPO: sampler and trainer processes (pipeline.mode=colocated: one)
+tandem train CONFIG [key=value ...]          the trainer alone (waits for samplers)
+tandem sample CONFIG --trainer-host HOST     a sampler alone (feeds a trainer)
+tandem launch CONFIG --sampling-devices 0 --training-devices 1   trainer and samplers on devices
+tandem check-comm [serve|connect] ...        test both channels: latency, bandwidth, diagnosis
+tandem keygen DIR [NAME ...]                 CURVE key pairs for authenticated multi-host runs
 tandem eval --model PATH|embedded ...         answer/format accuracy of a model
 tandem plot RUN_DIR [RUN_DIR ...]             PNG curves from metrics.jsonl
 tandem doctor                                 what this machine and install can run
@@ -17,19 +22,97 @@ from pathlib import Path
 log = logging.getLogger("tandem")
 
 
-def _config(args) -> object:
+def _config(args, *extra: str):
     from tandem.config import load_config
 
-    return load_config(args.config, args.overrides)
+    if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        args.overrides, args.config = [args.config, *args.overrides], None  # no file, only overrides
+    return load_config(args.config, [*args.overrides, *extra])
+
+
+def _finished(cfg) -> None:
+    final = cfg.run_dir / "final"
+    print(f"final policy: {final}\nrun record:   {cfg.run_dir}\nplots:        tandem plot {cfg.run_dir}")
 
 
 def cmd_grpo(args) -> int:
+    from tandem.launch import default_devices, launch
     from tandem.trainer.grpo import train_grpo
 
     cfg = _config(args)
-    final = train_grpo(cfg)
-    print(f"final policy: {final}\nrun record:   {cfg.run_dir}\nplots:        tandem plot {cfg.run_dir}")
+    if cfg.pipeline.mode == "colocated":
+        train_grpo(cfg)
+        rc = 0
+    else:
+        sampling, training = default_devices(cfg)
+        rc = launch(args.config, args.overrides, cfg, sampling, training)
+    if rc == 0:
+        _finished(cfg)
+    return rc
+
+
+def cmd_train(args) -> int:
+    from tandem.trainer.grpo import train_grpo
+
+    extra = ["pipeline.mode=decoupled"]
+    if args.no_deepspeed:
+        extra.append("training.distributed_strategy=none")
+    cfg = _config(args, *extra)
+    train_grpo(cfg)
+    _finished(cfg)
     return 0
+
+
+def cmd_sample(args) -> int:
+    from tandem.sampler.worker import TrainerGone, run_sampler
+
+    extra = [
+        f"pipeline.{key}={value}"
+        for key, value in (
+            ("trainer_host", args.trainer_host),
+            ("data_port", args.data_port),
+            ("sync_port", args.sync_port),
+        )
+        if value is not None
+    ]
+    cfg = _config(args, *extra)
+    device = args.device or (f"cuda:{args.gpu_id}" if args.gpu_id is not None else "auto")
+    try:
+        run_sampler(cfg, sampler_id=args.sampler_id, device=device)
+    except TrainerGone as err:
+        print(f"tandem sample: {err}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def cmd_launch(args) -> int:
+    from tandem.launch import launch, parse_devices
+
+    cfg = _config(args)
+    sampling = parse_devices(args.sampling_devices, "--sampling-devices")
+    training = parse_devices(args.training_devices, "--training-devices")
+    rc = launch(args.config, args.overrides, cfg, sampling, training)
+    if rc == 0:
+        _finished(cfg)
+    return rc
+
+
+def cmd_keygen(args) -> int:
+    from tandem.transport.auth import keygen
+
+    for path in keygen(args.directory, args.names):
+        print(path)
+    print(
+        "give each sampler its NAME.key_secret (client_secret_key) and the trainer's public key "
+        "(server_public_key); the trainer gets trainer.key_secret and the authorized/ folder"
+    )
+    return 0
+
+
+def cmd_check_comm(args) -> int:
+    from tandem.transport.check import run_check
+
+    return run_check(args)
 
 
 def cmd_eval(args) -> int:
@@ -87,12 +170,61 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("grpo", help="GRPO in one process (generation and training colocated)")
-    p.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
-    p.add_argument(
-        "overrides", nargs="*", help="dotted key=value overrides, e.g. training.learning_rate=1e-5"
-    )
+    def config_args(p):
+        p.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
+        p.add_argument(
+            "overrides", nargs="*", help="dotted key=value overrides, e.g. training.learning_rate=1e-5"
+        )
+
+    p = sub.add_parser("grpo", help="GRPO: sampler and trainer processes on this machine")
+    config_args(p)
     p.set_defaults(func=cmd_grpo)
+
+    p = sub.add_parser("train", help="the GRPO trainer alone: binds the ports and waits for samplers")
+    config_args(p)
+    p.add_argument(
+        "--no-deepspeed", action="store_true", help="plain PyTorch on one device (training.distributed_strategy=none)"
+    )
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sample", help="a GRPO sampler alone: generates groups for a trainer")
+    config_args(p)
+    p.add_argument("--trainer-host", help="host of the trainer (pipeline.trainer_host)")
+    p.add_argument("--data-port", type=int, help="the trainer's group port (pipeline.data_port, 5555)")
+    p.add_argument("--sync-port", type=int, help="the trainer's weight port (pipeline.sync_port, 5556)")
+    p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--gpu-id", type=int, help="shorthand for --device cuda:N")
+    p.add_argument("--sampler-id", help="name in the trainer's metrics (default: host-pid)")
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("launch", help="start the trainer and samplers of one run on given devices")
+    config_args(p)
+    p.add_argument("--sampling-devices", default="cpu", help="one sampler per entry: cpu or GPU ids, e.g. 0 or 0,1")
+    p.add_argument("--training-devices", default="cpu", help="cpu or a GPU id, e.g. 1")
+    p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("check-comm", help="check both channels between hosts: latency, bandwidth, diagnosis")
+    p.add_argument(
+        "role",
+        nargs="?",
+        default="local",
+        choices=["local", "serve", "connect"],
+        help="serve: stand in for the trainer on this host; connect: test a serving host (or a live "
+        "trainer: reachability, latency and a weight fetch only); local: both here (default)",
+    )
+    p.add_argument("--trainer-host", default="127.0.0.1")
+    p.add_argument("--bind-host", default="*")
+    p.add_argument("--data-port", type=int, default=5555)
+    p.add_argument("--sync-port", type=int, default=5556)
+    p.add_argument("--megabytes", type=int, default=256, help="size of the test weights")
+    p.add_argument("--seconds", type=float, default=0, help="serve: stop after this long (0 = Ctrl-C)")
+    p.add_argument("--config", help="take ports and CURVE keys from this config's pipeline section")
+    p.set_defaults(func=cmd_check_comm)
+
+    p = sub.add_parser("keygen", help="CURVE key pairs (trainer + samplers) for pipeline.curve")
+    p.add_argument("directory")
+    p.add_argument("names", nargs="*", default=["trainer", "sampler"], help="default: trainer sampler")
+    p.set_defaults(func=cmd_keygen)
 
     p = sub.add_parser("eval", help="answer and format accuracy of a model on GSM8K-format data")
     p.add_argument(
@@ -139,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, FileExistsError) as err:
+    except (ConfigError, FileNotFoundError, FileExistsError, OSError) as err:
         print(f"tandem {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -27,9 +27,9 @@ class PromptStream:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
-    def next_batch(self) -> list[Example]:
-        batch = []
-        while len(batch) < self.batch_size:
+    def next_batch(self, size: int | None = None) -> list[Example]:
+        batch: list[Example] = []
+        while len(batch) < (size or self.batch_size):
             if self.index == len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)

@@ -13,8 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.algorithms.grpo import group_advantages
+from tandem.config import Config
+from tandem.data.gsm8k import load_examples
 from tandem.data.prompts import render_prompt
+from tandem.data.stream import PromptStream
 from tandem.models.forward import pack_rows, packed_logprobs
+from tandem.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.generation import generate_groups
 from tandem.types import Completion, Example, Group
@@ -162,3 +166,57 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     elif gen_eos:
         ids.update(gen_eos)
     return sorted(i for i in ids if i is not None)
+
+
+def model_kwargs(cfg: Config, device) -> dict:
+    return dict(
+        attn_implementation=cfg.model.attn_implementation,
+        trust_remote_code=cfg.model.trust_remote_code,
+        device=device,
+    )
+
+
+def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_id: str = "local") -> Rollout:
+    """The sampling side: the rollout copy of the policy (or the policy itself when the dtypes
+    agree), the frozen reference, the rewards and the prompt format."""
+    rollout_model = policy
+    if policy is None or cfg.sampling.dtype != cfg.model.dtype:
+        rollout_model = load_causal_lm(
+            cfg.model.policy, dtype=cfg.sampling.dtype, trainable=False, **model_kwargs(cfg, device)
+        )
+    reference = None
+    if cfg.grpo.kl_coef != 0:
+        reference = load_causal_lm(
+            cfg.model.reference or cfg.model.policy,
+            dtype=cfg.sampling.dtype,
+            trainable=False,
+            **model_kwargs(cfg, device),
+        )
+        if cfg.model.reference:
+            check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.reference))
+    return Rollout(
+        policy=rollout_model,
+        reference=reference,
+        tokenizer=tokenizer,
+        rewards=RewardSet.from_specs(cfg.rewards),
+        system_prompt=cfg.data.system_prompt,
+        num_shots=cfg.data.num_shots,
+        prefill=cfg.data.prefill,
+        num_generations=cfg.sampling.num_generations,
+        max_new_tokens=cfg.sampling.max_new_tokens,
+        temperature=cfg.sampling.temperature,
+        top_k=cfg.sampling.top_k,
+        top_p=cfg.sampling.top_p,
+        batch_size=cfg.sampling.batch_size,
+        scale_rewards=cfg.grpo.scale_rewards,
+        adv_eps=cfg.grpo.adv_eps,
+        sampler_id=sampler_id,
+        generator=generator,
+    )
+
+
+def prompt_stream(cfg: Config, batch_size: int, *, seed: int) -> PromptStream:
+    examples = load_examples(
+        cfg.data.dataset, cfg.data.split, cfg.data.num_examples, cfg.seed, difficulty=cfg.data.difficulty
+    )
+    return PromptStream(examples, batch_size, seed=seed, shuffle=cfg.data.shuffle)

@@ -17,12 +17,9 @@ from tqdm import tqdm
 
 from tandem.algorithms.grpo import grpo_loss
 from tandem.config import Config, config_to_dict, dump_config
-from tandem.data.gsm8k import load_examples
-from tandem.data.stream import PromptStream
 from tandem.models.forward import packed_logprobs
-from tandem.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer
-from tandem.rewards.registry import RewardSet
-from tandem.sampler.rollout import Rollout
+from tandem.models.loading import load_causal_lm, load_tokenizer
+from tandem.sampler.rollout import build_rollout, model_kwargs, prompt_stream
 from tandem.trainer import checkpoint as ckpt
 from tandem.trainer.batching import collate, flatten_groups, loss_normalizer, split_micro_batches
 from tandem.trainer.experience import LocalExperience, RemoteExperience
@@ -156,58 +153,8 @@ def train_grpo(cfg: Config) -> Path:
 PER_BATCH_TIMES = {"time_generate", "time_reference", "time_reward", "wait_seconds"}
 
 
-def model_kwargs(cfg: Config, device) -> dict:
-    return dict(
-        attn_implementation=cfg.model.attn_implementation,
-        trust_remote_code=cfg.model.trust_remote_code,
-        device=device,
-    )
-
-
-def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_id: str = "local") -> Rollout:
-    """The sampling side: the rollout copy of the policy (or the policy itself when the dtypes
-    agree), the frozen reference, the rewards and the prompt format."""
-    rollout_model = policy
-    if policy is None or cfg.sampling.dtype != cfg.model.dtype:
-        rollout_model = load_causal_lm(
-            cfg.model.policy, dtype=cfg.sampling.dtype, trainable=False, **model_kwargs(cfg, device)
-        )
-    reference = None
-    if cfg.grpo.kl_coef != 0:
-        reference = load_causal_lm(
-            cfg.model.reference or cfg.model.policy,
-            dtype=cfg.sampling.dtype,
-            trainable=False,
-            **model_kwargs(cfg, device),
-        )
-        if cfg.model.reference:
-            check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.reference))
-    return Rollout(
-        policy=rollout_model,
-        reference=reference,
-        tokenizer=tokenizer,
-        rewards=RewardSet.from_specs(cfg.rewards),
-        system_prompt=cfg.data.system_prompt,
-        num_shots=cfg.data.num_shots,
-        prefill=cfg.data.prefill,
-        num_generations=cfg.sampling.num_generations,
-        max_new_tokens=cfg.sampling.max_new_tokens,
-        temperature=cfg.sampling.temperature,
-        top_k=cfg.sampling.top_k,
-        top_p=cfg.sampling.top_p,
-        batch_size=cfg.sampling.batch_size,
-        scale_rewards=cfg.grpo.scale_rewards,
-        adv_eps=cfg.grpo.adv_eps,
-        sampler_id=sampler_id,
-        generator=generator,
-    )
-
-
 def local_experience(cfg: Config, policy, tokenizer, generator, device) -> LocalExperience:
-    examples = load_examples(
-        cfg.data.dataset, cfg.data.split, cfg.data.num_examples, cfg.seed, difficulty=cfg.data.difficulty
-    )
-    stream = PromptStream(examples, cfg.grpo.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    stream = prompt_stream(cfg, cfg.grpo.prompts_per_step, seed=cfg.seed)
     return LocalExperience(build_rollout(cfg, policy, tokenizer, generator, device), stream, policy)
 
 

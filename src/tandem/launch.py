@@ -1,0 +1,215 @@
+"""`tandem launch`: start the trainer and the samplers of one run as child processes.
+
+    tandem launch CONFIG [key=value ...] --sampling-devices 0 --training-devices 1
+    tandem launch CONFIG --sampling-devices cpu,cpu --training-devices cpu
+
+Each sampling device gets one sampler (`s0`, `s1`, ... in order); a GPU id is exposed to its
+child as CUDA_VISIBLE_DEVICES. On the CPU the cores are split between the processes unless
+`sampling.num_threads` / `training.num_threads` say otherwise. The trainer keeps this terminal;
+the samplers write to `<run_dir>/logs/sampler-<id>.log`. Ctrl-C (SIGINT) and SIGTERM are
+forwarded to every child; when one child fails, the others are stopped and the launcher says
+which one failed and shows the end of its log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 30.0  # after the trainer finished, or after Ctrl-C, before children are killed
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None  # None: share the launcher's terminal
+    proc: subprocess.Popen | None = None
+
+
+def parse_devices(spec: str, option: str) -> list[str]:
+    """`cpu`, `cpu,cpu` or GPU ids `0,1`: one entry per process (sampling) or rank (training)."""
+    devices = [d.strip() for d in spec.split(",") if d.strip()]
+    for d in devices:
+        if d != "cpu" and not d.isdigit():
+            raise ConfigError(f"{option} {spec!r}: each device is `cpu` or a GPU index, e.g. 0,1")
+    if not devices:
+        raise ConfigError(f"{option} is empty: give `cpu` or GPU indices such as 0,1")
+    return devices
+
+
+def default_devices(cfg: Config) -> tuple[list[str], list[str]]:
+    """`tandem grpo`'s placement: CPU for a CPU config; with GPUs, sampler(s) on the first
+    and the trainer on the next (or sharing the only one)."""
+    n = cfg.pipeline.num_samplers
+    if cfg.training.device == "cpu":
+        return ["cpu"] * n, ["cpu"]
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return ["cpu"] * n, ["cpu"]
+    if gpus == 1:
+        return ["0"] * n, ["0"]
+    return [str(i % (gpus - 1)) for i in range(n)], [str(gpus - 1)]
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def plan(
+    config_path: str | None,
+    overrides: list[str],
+    cfg: Config,
+    sampling_devices: list[str],
+    training_devices: list[str],
+) -> list[Child]:
+    if len(training_devices) > 1:
+        raise ConfigError(
+            f"--training-devices {','.join(training_devices)}: this trainer runs on one device; several "
+            "ranks (DDP / DeepSpeed) come with training.distributed_strategy"
+        )
+    base = [sys.executable, "-m", "tandem.cli"]
+    head = [config_path] if config_path else []
+    shared = list(overrides) + [f"pipeline.num_samplers={len(sampling_devices)}"]
+    if cfg.pipeline.trainer_host in ("127.0.0.1", "localhost") and cfg.pipeline.bind_host == "*":
+        shared.append("pipeline.bind_host=127.0.0.1")  # a local run listens on loopback only
+    on_cpu = [d == "cpu" for d in sampling_devices + training_devices]
+    threads = max(1, cpu_count() // len(on_cpu)) if all(on_cpu) else 0
+    trainer_extra, sampler_extra = [], []
+    if threads and not cfg.training.num_threads:
+        trainer_extra.append(f"training.num_threads={threads}")
+    if threads and not cfg.sampling.num_threads:
+        sampler_extra.append(f"sampling.num_threads={threads}")
+
+    run_logs = cfg.run_dir / "logs"
+    children = []
+    train_dev = training_devices[0]
+    trainer = Child("trainer", base + ["train", *head, *shared, *trainer_extra])
+    if train_dev == "cpu":
+        trainer.cmd.append("training.device=cpu")
+    else:
+        trainer.env["CUDA_VISIBLE_DEVICES"] = train_dev
+        trainer.cmd.append("training.device=cuda")
+    children.append(trainer)
+    for i, dev in enumerate(sampling_devices):
+        sid = f"s{i}"
+        cmd = base + ["sample", *head, *shared, *sampler_extra, "--sampler-id", sid]
+        child = Child(f"sampler {sid}", cmd, log_path=run_logs / f"sampler-{sid}.log")
+        if dev == "cpu":
+            child.cmd += ["--device", "cpu"]
+        else:
+            child.env["CUDA_VISIBLE_DEVICES"] = dev
+            child.cmd += ["--device", "cuda:0"]
+        children.append(child)
+    return children
+
+
+class Launcher:
+    def __init__(self, children: list[Child]) -> None:
+        self.children = children
+        self._stopping = False
+
+    def start(self) -> None:
+        for child in self.children:
+            env = {**os.environ, **child.env}
+            out = None
+            if child.log_path is not None:
+                child.log_path.parent.mkdir(parents=True, exist_ok=True)
+                out = child.log_path.open("ab")
+            # a session of its own: the launcher alone decides when a child gets a signal
+            child.proc = subprocess.Popen(
+                child.cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+            )
+            if out is not None:
+                out.close()
+            where = f" (log: {child.log_path})" if child.log_path else ""
+            log.info("started %s, pid %d%s", child.name, child.proc.pid, where)
+
+    def signal_all(self, sig: int) -> None:
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is None:
+                try:
+                    os.killpg(child.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop_all(self, grace: float = STOP_GRACE_S) -> None:
+        self.signal_all(signal.SIGINT)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(c.proc.poll() is None for c in self.children):
+            time.sleep(0.1)
+        self.signal_all(signal.SIGKILL)
+        for child in self.children:
+            child.proc.wait()
+
+    def wait(self) -> int:
+        """Until the trainer finishes (0) or a child fails (its exit code, or 1)."""
+        trainer, samplers = self.children[0], self.children[1:]
+        while True:
+            rc = trainer.proc.poll()
+            if rc == 0:
+                self._wait_samplers(samplers)
+                return 0
+            if rc is not None:
+                self._failed(trainer, rc)
+                return rc
+            for child in samplers:
+                rc = child.proc.poll()
+                if rc is not None:  # a sampler only ends on its own once the trainer has finished
+                    self._failed(child, rc)
+                    return rc or 1
+            time.sleep(0.2)
+
+    def _wait_samplers(self, samplers: list[Child]) -> None:
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and any(c.proc.poll() is None for c in samplers):
+            time.sleep(0.2)
+        self.stop_all(grace=5.0)
+
+    def _failed(self, child: Child, rc: int) -> None:
+        how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        print(f"tandem launch: {child.name} {how}; stopping the other processes", file=sys.stderr)
+        if child.log_path is not None and child.log_path.is_file():
+            tail = child.log_path.read_text(errors="replace").splitlines()[-20:]
+            print(f"--- last lines of {child.log_path}:", *tail, "---", sep="\n", file=sys.stderr)
+        self.stop_all()
+
+
+def launch(
+    config_path: str | None,
+    overrides: list[str],
+    cfg: Config,
+    sampling_devices: list[str],
+    training_devices: list[str],
+) -> int:
+    launcher = Launcher(plan(config_path, overrides, cfg, sampling_devices, training_devices))
+
+    def forward(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        launcher.start()
+        return launcher.wait()
+    except KeyboardInterrupt:
+        print("tandem launch: interrupted; stopping every process", file=sys.stderr)
+        launcher.stop_all()
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,265 @@
+"""The sampler process (`tandem sample`): generate scored groups and PUSH them to the trainer.
+
+One loop, one batch of prompts at a time:
+
+1. Ask the trainer for its status (weight version, run id, starved, finished). A newer version,
+   or a restarted trainer, is fetched and loaded before the next batch: weights change only
+   between generation batches, never inside one, and a sampler that starts late or restarts
+   fetches the latest version before it samples anything.
+2. Pace: groups made with version K are useful to the trainer until it reaches version
+   K + max_staleness. Per version the trainer consumes Q = ceil(prompts_per_step * sync_every /
+   num_samplers) groups from each sampler, so a sampler that joined at version K0 and now holds
+   version K may have made `(K - K0 + max_staleness + 1) * Q` groups in all: one version's share
+   per version plus a lead of max_staleness versions (0: strictly on-policy, it waits for each
+   sync). At that quota it waits for the next version. A trainer that reports itself starved
+   (a sampler died, or the shares are uneven) lifts the quota, so the pipeline never deadlocks.
+3. Generate, score and PUSH the groups (blocking on the high-water mark: a slow trainer makes
+   this sampler wait, nothing is dropped). A finished trainer ends the loop; a silent one is
+   waited for (and reported), up to `pipeline.trainer_timeout_s` when that is set.
+
+Each sampler appends one JSON line per batch to `<run_dir>/samplers/<sampler_id>.jsonl` and
+keeps its place in the prompt stream in `<sampler_id>.state.json` there, so a restarted sampler
+continues with new prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import zmq
+
+from tandem.atomic import atomic_write_text
+from tandem.config import Config
+from tandem.models.loading import load_tokenizer
+from tandem.sampler.rollout import build_rollout, prompt_stream
+from tandem.trainer.runtime import resolve_device, set_seed, set_threads
+from tandem.transport.channel import GroupSender
+from tandem.transport.weights import FsWeightReader, WeightClient, load_weights
+from tandem.types import TrainerStatus
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0  # long-poll slice while waiting for the trainer
+STARVED_GRACE_S = 5.0  # at quota, wait this long for new weights before honouring `starved`
+SILENT_WARN_S = 30.0
+
+
+def default_sampler_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def version_share(cfg: Config) -> int:
+    """Groups the trainer takes from one sampler per weight version (Q above)."""
+    p = cfg.pipeline
+    return math.ceil(cfg.grpo.prompts_per_step * p.sync_every / p.num_samplers)
+
+
+class TrainerGone(RuntimeError):
+    """The trainer did not answer for `pipeline.trainer_timeout_s` seconds."""
+
+
+class Sampler:
+    def __init__(self, cfg: Config, *, sampler_id: str, device: str = "auto") -> None:
+        p = cfg.pipeline
+        self.cfg, self.sampler_id = cfg, sampler_id
+        salt = zlib.crc32(sampler_id.encode())  # samplers of one run see different prompts and samples
+        set_seed(cfg.seed + salt)
+        set_threads(cfg.sampling.num_threads)
+        self.device = resolve_device(device)
+        tokenizer = load_tokenizer(
+            cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code
+        )
+        generator = torch.Generator(device="cpu").manual_seed(cfg.seed * 7919 + salt)
+        self.rollout = build_rollout(cfg, None, tokenizer, generator, self.device, sampler_id=sampler_id)
+        self.batch_prompts = max(1, cfg.sampling.batch_size // cfg.sampling.num_generations)
+        self.stream = prompt_stream(cfg, self.batch_prompts, seed=cfg.seed + salt)
+        self.log_dir = cfg.run_dir / "samplers"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.state_path = self.log_dir / f"{sampler_id}.state.json"
+        if self.state_path.is_file():
+            self.stream.load_state_dict(json.loads(self.state_path.read_text())["data"])
+        self.share = version_share(cfg)
+
+        self.context = zmq.Context()
+        data_address = f"tcp://{p.trainer_host}:{p.data_port}"
+        self.sender = GroupSender(data_address, sndhwm=p.send_hwm, context=self.context, curve=p.curve)
+        if p.sync_method == "zmq":
+            sync_address = f"tcp://{p.trainer_host}:{p.sync_port}"
+            self.weights = WeightClient(sync_address, context=self.context, curve=p.curve)
+            self.trainer_where = f"{data_address} (weights {sync_address})"
+        else:
+            root = Path(p.sync_dir) if p.sync_dir else cfg.run_dir / "weights"
+            self.weights = FsWeightReader(root)
+            self.trainer_where = f"{data_address} (weights in {root})"
+
+        self.version = -1  # the weights the rollout policy holds; -1 = none from the trainer yet
+        self.run_id: str | None = None
+        self.first_version = 0  # the version this sampler joined the trainer's run at
+        self.made = 0  # groups made since then
+        self.sent = 0
+        self._silent_since: float | None = None
+        self._last_warning = 0.0
+
+    # ------------------------------------------------------------------ trainer status
+
+    def _status(self, *, newer_than: int | None = None, wait_s: float = 0.0) -> TrainerStatus | None:
+        status = self.weights.status(newer_than=newer_than, run_id=self.run_id, wait_s=wait_s, timeout_s=5.0)
+        now = time.monotonic()
+        if status is not None and status.version >= 0:
+            self._silent_since = None
+            return status
+        self._silent_since = self._silent_since or now
+        silent = now - self._silent_since
+        if now - self._last_warning >= SILENT_WARN_S:
+            self._last_warning = now
+            what = "has published no weights yet" if status is not None else "does not answer"
+            log.warning(
+                "sampler %s: the trainer at %s %s (%.0f s); waiting. Is `tandem train` running there "
+                "with the same pipeline ports and sync_method?",
+                self.sampler_id,
+                self.trainer_where,
+                what,
+                silent,
+            )
+        limit = self.cfg.pipeline.trainer_timeout_s
+        if limit and silent > limit:
+            raise TrainerGone(f"no trainer at {self.trainer_where} for {silent:.0f} s (pipeline.trainer_timeout_s)")
+        if status is None and newer_than is None:
+            time.sleep(min(POLL_S, 0.2))  # zmq timed out already; fs returns at once
+        return None
+
+    def wait_for_turn(self) -> TrainerStatus | None:
+        """Block until this sampler may generate a batch; None when the trainer has finished."""
+        at_quota_since: float | None = None
+        while True:
+            at_quota = self.remaining() <= 0 and self.version >= 0
+            status = self._status(newer_than=self.version if at_quota else None, wait_s=POLL_S if at_quota else 0)
+            if status is None:
+                continue
+            if status.finished:
+                return None
+            if status.run_id != self.run_id or status.version > self.version:
+                return status  # new weights (or a restarted trainer): fetch them first
+            if not at_quota:
+                return status
+            at_quota_since = at_quota_since or time.monotonic()
+            if status.starved and time.monotonic() - at_quota_since >= STARVED_GRACE_S:
+                log.info("sampler %s: trainer starved at version %d: making more", self.sampler_id, status.version)
+                return status
+
+    def update_weights(self, status: TrainerStatus) -> float:
+        start = time.perf_counter()
+        got = self.weights.fetch(timeout_s=120.0)
+        if got is None:
+            return 0.0  # the trainer went away or pruned it: the next status says what now
+        manifest, flat = got
+        load_weights(self.rollout.policy, flat, manifest)
+        if manifest.run_id != self.run_id:
+            log.info("sampler %s: trainer run %s, weights v%d", self.sampler_id, manifest.run_id, manifest.version)
+            self.first_version, self.made = manifest.version, 0
+        self.version, self.run_id = manifest.version, manifest.run_id
+        return time.perf_counter() - start
+
+    def remaining(self) -> int:
+        """Groups this sampler may still make before it waits for newer weights."""
+        lead = self.version - self.first_version + self.cfg.pipeline.max_staleness + 1
+        return lead * self.share - self.made
+
+    # ------------------------------------------------------------------ main loop
+
+    def send(self, group) -> bool:
+        """PUSH one group, waiting while the trainer is busy; False once the trainer has finished."""
+        while True:
+            try:
+                self.sender.send(group, timeout=POLL_S * 5)
+                return True
+            except TimeoutError:
+                status = self._status()
+                if status is not None and status.finished:
+                    return False
+
+    def run(self, max_batches: int | None = None) -> int:
+        """Sample until the trainer finishes; returns the number of groups sent."""
+        log.info(
+            "sampler %s: trainer %s, %d prompt(s) x %d per batch, %d group(s) per version",
+            self.sampler_id,
+            self.trainer_where,
+            self.batch_prompts,
+            self.cfg.sampling.num_generations,
+            self.share,
+        )
+        batches = 0
+        with (self.log_dir / f"{self.sampler_id}.jsonl").open("a") as record:
+            while max_batches is None or batches < max_batches:
+                wait_start = time.perf_counter()
+                status = self.wait_for_turn()
+                if status is None:
+                    break
+                time_weights = 0.0
+                if status.run_id != self.run_id or status.version > self.version:
+                    time_weights = self.update_weights(status)
+                    if self.version < 0 or self.remaining() <= 0:
+                        continue  # the fetch failed, or nothing to make yet: ask again
+                time_wait = time.perf_counter() - wait_start - time_weights
+                n = self.batch_prompts
+                if self.remaining() > 0:  # (at or past it only when the trainer is starved)
+                    n = min(n, self.remaining())
+                groups = self.rollout.run(self.stream.next_batch(n), policy_version=self.version)
+                self.made += len(groups)
+                send_start = time.perf_counter()
+                finished = False
+                for group in groups:
+                    if not self.send(group):
+                        finished = True
+                        break
+                    self.sent += 1
+                atomic_write_text(self.state_path, json.dumps({"data": self.stream.state_dict()}), fsync=False)
+                batches += 1
+                record.write(json.dumps(self._row(groups, time_wait, time_weights, send_start)) + "\n")
+                record.flush()
+                if finished:
+                    break
+        log.info("sampler %s: trainer finished; sent %d group(s)", self.sampler_id, self.sent)
+        return self.sent
+
+    def _row(self, groups, time_wait: float, time_weights: float, send_start: float) -> dict:
+        t = self.rollout.timings
+        completions = [c for g in groups for c in g.completions]
+        tokens = sum(len(c.generated_token_ids) for c in completions)
+        return {
+            "time": time.time(),
+            "sampler_id": self.sampler_id,
+            "policy_version": self.version,
+            "groups": len(groups),
+            "groups_sent_total": self.sent,
+            "reward_mean": sum(c.reward for c in completions) / max(len(completions), 1),
+            "tokens_generated": tokens,
+            "time_generate": t.generate,
+            "time_reference": t.reference,
+            "time_reward": t.reward,
+            "generate_tokens_per_second": tokens / max(t.generate, 1e-9),
+            "time_weights": time_weights,
+            "time_wait_trainer": time_wait,
+            "time_send": time.perf_counter() - send_start,
+        }
+
+    def close(self) -> None:
+        self.sender.close()
+        self.weights.close()
+        self.context.term()
+
+
+def run_sampler(cfg: Config, *, sampler_id: str | None = None, device: str = "auto") -> int:
+    sampler = Sampler(cfg, sampler_id=sampler_id or default_sampler_id(), device=device)
+    try:
+        return sampler.run()
+    finally:
+        sampler.close()
