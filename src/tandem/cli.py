@@ -183,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="the GRPO trainer alone: binds the ports and waits for samplers")
     config_args(p)
     p.add_argument(
-        "--no-deepspeed", action="store_true", help="plain PyTorch on one device (training.distributed_strategy=none)"
+        "--no-deepspeed",
+        action="store_true",
+        help="plain PyTorch on one device (training.distributed_strategy=none)",
     )
     p.set_defaults(func=cmd_train)
 
@@ -199,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("launch", help="start the trainer and samplers of one run on given devices")
     config_args(p)
-    p.add_argument("--sampling-devices", default="cpu", help="one sampler per entry: cpu or GPU ids, e.g. 0 or 0,1")
+    p.add_argument(
+        "--sampling-devices", default="cpu", help="one sampler per entry: cpu or GPU ids, e.g. 0 or 0,1"
+    )
     p.add_argument("--training-devices", default="cpu", help="cpu or a GPU id, e.g. 1")
     p.set_defaults(func=cmd_launch)
 

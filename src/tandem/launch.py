@@ -13,6 +13,7 @@ which one failed and shows the end of its log.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -134,7 +135,11 @@ class Launcher:
                 out = child.log_path.open("ab")
             # a session of its own: the launcher alone decides when a child gets a signal
             child.proc = subprocess.Popen(
-                child.cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+                child.cmd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                start_new_session=True,
             )
             if out is not None:
                 out.close()
@@ -144,10 +149,8 @@ class Launcher:
     def signal_all(self, sig: int) -> None:
         for child in self.children:
             if child.proc is not None and child.proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(child.proc.pid, sig)
-                except ProcessLookupError:
-                    pass
 
     def stop_all(self, grace: float = STOP_GRACE_S) -> None:
         self.signal_all(signal.SIGINT)

@@ -131,7 +131,9 @@ class Sampler:
             )
         limit = self.cfg.pipeline.trainer_timeout_s
         if limit and silent > limit:
-            raise TrainerGone(f"no trainer at {self.trainer_where} for {silent:.0f} s (pipeline.trainer_timeout_s)")
+            raise TrainerGone(
+                f"no trainer at {self.trainer_where} for {silent:.0f} s (pipeline.trainer_timeout_s)"
+            )
         if status is None and newer_than is None:
             time.sleep(min(POLL_S, 0.2))  # zmq timed out already; fs returns at once
         return None
@@ -141,7 +143,9 @@ class Sampler:
         at_quota_since: float | None = None
         while True:
             at_quota = self.remaining() <= 0 and self.version >= 0
-            status = self._status(newer_than=self.version if at_quota else None, wait_s=POLL_S if at_quota else 0)
+            status = self._status(
+                newer_than=self.version if at_quota else None, wait_s=POLL_S if at_quota else 0
+            )
             if status is None:
                 continue
             if status.finished:
@@ -152,7 +156,9 @@ class Sampler:
                 return status
             at_quota_since = at_quota_since or time.monotonic()
             if status.starved and time.monotonic() - at_quota_since >= STARVED_GRACE_S:
-                log.info("sampler %s: trainer starved at version %d: making more", self.sampler_id, status.version)
+                log.info(
+                    "sampler %s: trainer starved at version %d: making more", self.sampler_id, status.version
+                )
                 return status
 
     def update_weights(self, status: TrainerStatus) -> float:
@@ -163,7 +169,9 @@ class Sampler:
         manifest, flat = got
         load_weights(self.rollout.policy, flat, manifest)
         if manifest.run_id != self.run_id:
-            log.info("sampler %s: trainer run %s, weights v%d", self.sampler_id, manifest.run_id, manifest.version)
+            log.info(
+                "sampler %s: trainer run %s, weights v%d", self.sampler_id, manifest.run_id, manifest.version
+            )
             self.first_version, self.made = manifest.version, 0
         self.version, self.run_id = manifest.version, manifest.run_id
         return time.perf_counter() - start
@@ -221,7 +229,9 @@ class Sampler:
                         finished = True
                         break
                     self.sent += 1
-                atomic_write_text(self.state_path, json.dumps({"data": self.stream.state_dict()}), fsync=False)
+                atomic_write_text(
+                    self.state_path, json.dumps({"data": self.stream.state_dict()}), fsync=False
+                )
                 batches += 1
                 record.write(json.dumps(self._row(groups, time_wait, time_weights, send_start)) + "\n")
                 record.flush()
