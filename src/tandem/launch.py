@@ -174,9 +174,9 @@ class Launcher:
                 return rc
             for child in samplers:
                 rc = child.proc.poll()
-                if rc is not None:  # a sampler only ends on its own once the trainer has finished
+                if rc:  # 0: the trainer said it has finished, and is writing its final model
                     self._failed(child, rc)
-                    return rc or 1
+                    return rc
             time.sleep(0.2)
 
     def _wait_samplers(self, samplers: list[Child]) -> None:

@@ -1,0 +1,356 @@
+"""The decoupled pipeline as real processes on 127.0.0.1: `tandem train` + `tandem sample` (and
+`tandem launch`) on a tiny random model, over real ZeroMQ sockets and real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+zmq = pytest.importorskip("zmq")
+
+from tandem.transport.channel import free_tcp_port  # noqa: E402
+from tandem.transport.wire import encode_control  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT_S = 120
+
+
+def env() -> dict:
+    paths = [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "OMP_NUM_THREADS": "1"}
+
+
+class Run:
+    """One run folder and the processes that work on it."""
+
+    def __init__(self, tmp_path: Path, model_dir: Path, name: str, *overrides: str) -> None:
+        self.tmp, self.name = tmp_path, name
+        self.dir = tmp_path / name
+        self.data_port, self.sync_port = free_tcp_port(), free_tcp_port()
+        self.overrides = [
+            f"experiment_name={name}",
+            f"output_dir={tmp_path}",
+            "seed=3",
+            f"model.policy={model_dir}",
+            "sampling.dtype=float32",
+            "sampling.max_new_tokens=8",
+            "sampling.num_generations=4",
+            "sampling.batch_size=8",
+            "sampling.num_threads=1",
+            "data.num_examples=40",
+            "data.num_shots=0",
+            "rewards=[{type: answer}, {type: format}, {type: function, function: 'tiny_rewards:digit_count'}]",
+            "grpo.prompts_per_step=2",
+            "grpo.skip_zero_variance_groups=false",
+            "training.micro_batch_size=4",
+            "training.gradient_accumulation_steps=2",
+            "training.learning_rate=1e-3",
+            "training.device=cpu",
+            "training.num_threads=1",
+            "training.max_steps=4",
+            "training.save_steps=0",
+            f"pipeline.data_port={self.data_port}",
+            f"pipeline.sync_port={self.sync_port}",
+            "pipeline.bind_host=127.0.0.1",
+            "pipeline.data_timeout_s=90",
+            "pipeline.trainer_timeout_s=90",
+            *overrides,
+        ]
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, command: str, *extra: str, log: str) -> subprocess.Popen:
+        self.tmp.joinpath("logs").mkdir(exist_ok=True)
+        out = (self.tmp / "logs" / f"{log}.log").open("ab")
+        cmd = [sys.executable, "-m", "tandem.cli", command, *self.overrides, *extra]
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT)
+        out.close()
+        self.procs.append(proc)
+        return proc
+
+    def trainer(self, *extra: str) -> subprocess.Popen:
+        return self.start("train", *extra, log="trainer")
+
+    def sampler(self, sampler_id: str = "s0", *extra: str) -> subprocess.Popen:
+        return self.start("sample", "--sampler-id", sampler_id, "--device", "cpu", *extra, log=sampler_id)
+
+    def log(self, name: str) -> str:
+        return (self.tmp / "logs" / f"{name}.log").read_text(errors="replace")
+
+    def wait(self, proc: subprocess.Popen, name: str, timeout: float = WAIT_S) -> int:
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} did not finish in {timeout} s; its log:\n{self.log(name)[-3000:]}")
+
+    def rows(self) -> list[dict]:
+        path = self.dir / "metrics.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+    def sampler_rows(self, sampler_id: str = "s0") -> list[dict]:
+        path = self.dir / "samplers" / f"{sampler_id}.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+    def wait_for(self, predicate, what: str, timeout: float = WAIT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out waiting for {what}")
+            time.sleep(0.2)
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def make_run(tmp_path, tiny_model_dir):
+    runs = []
+
+    def make(name: str, *overrides: str) -> Run:
+        runs.append(Run(tmp_path, tiny_model_dir, name, *overrides))
+        return runs[-1]
+
+    yield make
+    for run in runs:
+        run.kill_all()
+
+
+def finish(run: Run, trainer, samplers: dict) -> None:
+    assert run.wait(trainer, "trainer") == 0, run.log("trainer")[-3000:]
+    for sid, proc in samplers.items():
+        assert run.wait(proc, sid, timeout=60) == 0, run.log(sid)[-3000:]
+
+
+@pytest.mark.parametrize("sync_method", ["zmq", "fs"])
+def test_sampler_and_trainer_processes_train_with_advancing_versions(make_run, sync_method):
+    run = make_run(f"two_{sync_method}", f"pipeline.sync_method={sync_method}", "training.max_steps=5")
+    trainer, sampler = run.trainer(), run.sampler()
+    finish(run, trainer, {"s0": sampler})
+
+    rows = run.rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    # one-step off-policy (max_staleness 1): the groups of step k were made by version k-2 or k-1
+    assert all(r["staleness_mean"] in (0.0, 1.0) for r in rows)
+    assert [r["policy_version"] for r in rows][-1] >= 3
+    assert sum(r["groups_dropped_stale"] for r in rows) == 0
+    assert rows[-1]["groups_from_s0"] >= 10 and rows[-1]["messages_dropped"] == 0
+    assert all(r["sync_seconds"] > 0 for r in rows)
+    versions = [r["policy_version"] for r in run.sampler_rows()]
+    assert versions == sorted(versions) and versions[-1] >= 3  # the sampler saw the new weights
+    assert (run.dir / "final" / "model.safetensors").is_file()
+    if sync_method == "fs":
+        kept = sorted(p.name for p in (run.dir / "weights").iterdir() if p.name.startswith("v"))
+        assert kept == ["v00000004", "v00000005"]  # the newest sync_keep_versions, nothing half-written
+        status = json.loads((run.dir / "weights" / "status.json").read_text())
+        assert status["finished"] is True and status["version"] == 5
+
+
+def test_strictly_on_policy_ratio_is_one(make_run):
+    """sync_every 1, max_staleness 0, one update per batch: the trainer's log-probs of every
+    completion equal the sampler's old_policy_log_probs (fp32 on the CPU)."""
+    run = make_run(
+        "onpolicy",
+        "pipeline.max_staleness=0",
+        "pipeline.sync_every=1",
+        "training.micro_batch_size=8",
+        "training.gradient_accumulation_steps=1",
+    )
+    trainer, sampler = run.trainer(), run.sampler()
+    finish(run, trainer, {"s0": sampler})
+    rows = run.rows()
+    assert [r["policy_version"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["staleness_mean"] == 0 and r["groups_dropped_stale"] == 0 for r in rows)
+    assert all(r["ratio_abs_dev"] < 1e-5 for r in rows), [r["ratio_abs_dev"] for r in rows]
+    assert all(r["clip_fraction"] == 0 for r in rows)
+    assert rows[-1]["grad_norm"] > 0
+
+
+def test_two_samplers_feed_one_trainer_and_surplus_is_dropped_as_stale(make_run):
+    """Two samplers each told they are the only one (num_samplers=1) make twice what a strictly
+    on-policy trainer can use: the surplus is dropped, counted, and training goes on."""
+    run = make_run("fanin", "pipeline.max_staleness=0", "training.max_steps=4")
+    trainer = run.trainer()
+    samplers = {sid: run.sampler(sid) for sid in ("s0", "s1")}
+    finish(run, trainer, samplers)
+    rows = run.rows()
+    last = rows[-1]
+    assert last["groups_from_s0"] > 0 and last["groups_from_s1"] > 0
+    assert sum(r["groups_dropped_stale"] for r in rows) > 0
+    assert all(r["staleness_mean"] == 0 for r in rows)
+
+
+def test_two_samplers_sharing_the_work_drop_nothing(make_run):
+    run = make_run("shared", "pipeline.num_samplers=2", "training.max_steps=4")
+    trainer = run.trainer()
+    samplers = {sid: run.sampler(sid) for sid in ("s0", "s1")}
+    finish(run, trainer, samplers)
+    last = run.rows()[-1]
+    assert last["groups_from_s0"] > 0 and last["groups_from_s1"] > 0
+    assert sum(r["groups_dropped_stale"] for r in run.rows()) == 0
+
+
+def test_sampler_killed_and_restarted_rejoins_with_the_latest_weights(make_run):
+    run = make_run("samplerkill", "training.max_steps=10")
+    trainer, first = run.trainer(), run.sampler()
+    run.wait_for(lambda: len(run.rows()) >= 3, "three trainer steps")
+    first.kill()
+    first.wait()
+    killed_at = max(r["policy_version"] for r in run.sampler_rows())
+    seen_before = len(run.sampler_rows())
+    time.sleep(1.0)
+    second = run.sampler()
+    finish(run, trainer, {"s0": second})
+    rejoined = run.sampler_rows()[seen_before:]
+    assert rejoined and rejoined[0]["policy_version"] >= killed_at  # never back to old weights
+    assert rejoined[0]["time_weights"] > 0  # it fetched before its first batch
+    assert [r["step"] for r in run.rows()] == list(range(1, 11))
+    assert "trainer finished" in run.log("s0")
+
+
+def test_trainer_killed_and_restarted_resumes_and_the_sampler_reconnects(make_run):
+    run = make_run("trainerkill", "training.max_steps=24", "training.save_steps=2")
+
+    def checkpointed() -> list[int]:
+        folder = run.dir / "checkpoints"
+        return [int(p.name.split("-")[1]) for p in folder.glob("step-*")] if folder.is_dir() else []
+
+    trainer, sampler = run.trainer(), run.sampler()
+    run.wait_for(lambda: max(checkpointed(), default=0) >= 4, "a checkpoint at step 4 or later")
+    trainer.kill()
+    trainer.wait()
+    assert len(run.rows()) < 24, "the trainer finished before it could be killed"
+    resume_step = max(checkpointed())
+    version_before = json.loads((run.dir / "sync_state.json").read_text())["version"]
+    rows_before = len(run.rows())
+    restarted = run.trainer("training.resume_from_checkpoint=latest")
+    finish(run, restarted, {"s0": sampler})
+    after = run.rows()[rows_before:]
+    # the resumed trainer starts after its checkpoint and logs every later step once
+    assert [r["step"] for r in after] == list(range(resume_step + 1, 25))
+    # versions never repeat: the restarted trainer publishes after the last one it published
+    assert min(r["policy_version"] for r in after) >= version_before - 1
+    assert max(r["policy_version"] for r in after) > version_before
+    assert run.log("s0").count("trainer run ") == 2  # the same sampler process followed the new trainer
+
+
+def test_hostile_messages_to_a_live_trainer_are_dropped_and_counted(make_run, tmp_path):
+    run = make_run("fuzz", "training.max_steps=4", "pipeline.max_message_mb=1")
+    trainer = run.trainer()
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(f"tcp://127.0.0.1:{run.data_port}")
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{run.sync_port}")
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    header = {"schema": 1, "kind": "group", "arrays": [{"dtype": "float32", "shape": [2**40]}]}
+    hostile = [
+        [os.urandom(300)],
+        [pickle.dumps(Exploit())],
+        [json.dumps({**header, "schema": 999}).encode(), b"\x00" * 16],
+        [json.dumps(header).encode(), b"\x00" * 16],  # a huge declared size, a tiny frame
+        [b"{", b"truncated"],
+        encode_control("stop", {}),
+    ]
+    for frames in hostile:
+        push.send_multipart(frames)
+        dealer.send_multipart(frames)  # the weight server gets the same garbage
+    dealer.send(b"\x00" * 100_000)
+    sampler = run.sampler()
+    finish(run, trainer, {"s0": sampler})
+    push.close()
+    dealer.close()
+    context.term()
+    rows = run.rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["messages_dropped"] == len(hostile)
+    assert not marker.exists()
+    assert "dropped" in run.log("trainer")
+
+
+def test_curve_refuses_a_sampler_without_an_authorised_key(make_run, tmp_path):
+    from tandem.transport.auth import keygen
+
+    keys, stranger = tmp_path / "keys", tmp_path / "stranger"
+    keygen(keys, ["trainer", "sampler"])
+    keygen(stranger, ["sampler"])
+    server = [
+        f"pipeline.curve.server_secret_key={keys / 'trainer.key_secret'}",
+        f"pipeline.curve.authorized_clients={keys / 'authorized'}",
+    ]
+
+    def client(folder):
+        return [
+            f"pipeline.curve.server_public_key={keys / 'trainer.key'}",
+            f"pipeline.curve.client_secret_key={folder / 'sampler.key_secret'}",
+        ]
+
+    run = make_run("curve", "training.max_steps=3")
+    trainer = run.start("train", *server, log="trainer")
+    intruder = run.start(
+        "sample", *client(stranger), "--sampler-id", "intruder", "--device", "cpu", log="intruder"
+    )
+    time.sleep(3.0)
+    sampler = run.start("sample", *client(keys), "--sampler-id", "s0", "--device", "cpu", log="s0")
+    finish(run, trainer, {"s0": sampler})
+    intruder.kill()
+    intruder.wait()
+    rows = run.rows()
+    assert rows[-1]["auth_refused"] > 0
+    assert rows[-1]["groups_from_s0"] >= 6 and "groups_from_intruder" not in rows[-1]
+    assert not run.sampler_rows("intruder") or all(
+        r["groups_sent_total"] == 0 for r in run.sampler_rows("intruder")
+    )
+
+
+def test_grpo_runs_sampler_and_trainer_as_two_processes(make_run, tmp_path):
+    run = make_run("grpo2")
+    proc = run.start("grpo", log="grpo")
+    assert run.wait(proc, "grpo") == 0, run.log("grpo")[-3000:]
+    assert [r["step"] for r in run.rows()] == [1, 2, 3, 4]
+    assert run.rows()[-1]["groups_from_s0"] >= 8
+    assert (run.dir / "logs" / "sampler-s0.log").is_file()
+    assert "final policy:" in run.log("grpo")
+
+
+def _children(proc: subprocess.Popen) -> list[psutil.Process]:
+    return psutil.Process(proc.pid).children(recursive=True)
+
+
+@pytest.mark.parametrize("how", ["sampler_dies", "ctrl_c"])
+def test_launch_stops_every_process(make_run, how):
+    run = make_run(f"launch_{how}", "training.max_steps=1000")
+    proc = run.start("launch", "--sampling-devices", "cpu", "--training-devices", "cpu", log="launch")
+    run.wait_for(lambda: len(run.rows()) >= 1, "a first step")
+    children = _children(proc)
+    assert len(children) == 2
+    if how == "sampler_dies":
+        sampler = next(c for c in children if "sample" in c.cmdline())
+        sampler.kill()
+        rc = run.wait(proc, "launch", timeout=60)
+        assert rc != 0
+        assert "sampler s0 was killed by signal 9; stopping the other processes" in run.log("launch")
+    else:
+        proc.send_signal(signal.SIGINT)
+        assert run.wait(proc, "launch", timeout=60) == 130
+        assert "interrupted" in run.log("launch")
+    assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in children)
