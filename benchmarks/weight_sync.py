@@ -35,6 +35,7 @@ import torch
 
 from tandem.transport.channel import free_tcp_port
 from tandem.transport.weights import (
+    CHUNK_BYTES,
     FsWeightReader,
     FsWeightWriter,
     WeightClient,
@@ -166,7 +167,11 @@ def measure_method(method: str, where: str, model: torch.nn.Module, args: argpar
                 first_param(model).view(-1)[0] = version + 0.5  # proves this version arrived
             start = time.monotonic()
             snapshot = take_snapshot(
-                model.named_parameters(), version=version, run_id=run_id, dtype=args.sync_dtype
+                model.named_parameters(),
+                version=version,
+                run_id=run_id,
+                dtype=args.sync_dtype,
+                chunk_bytes=args.chunk_mib * 2**20,
             )
             snapped = time.monotonic()
             publisher.publish(snapshot)
@@ -239,12 +244,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed syncs per method (after a warm-up)")
     parser.add_argument("--model", choices=("random", "embedded"), default="random")
     parser.add_argument("--sync-dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    parser.add_argument(
+        "--chunk-mib", type=int, default=CHUNK_BYTES // 2**20, help="snapshot chunk size (<= the default)"
+    )
     parser.add_argument("--skip-gloo", action="store_true", help="skip the torch.distributed comparison")
     parser.add_argument("--quick", action="store_true", help="2 repeats, for a smoke test")
     parser.add_argument("--out", default=str(HERE / "results" / "weight_sync.json"))
     args = parser.parse_args()
     if args.quick:
         args.repeats = 2
+    if not 0 < args.chunk_mib * 2**20 <= CHUNK_BYTES:
+        parser.error(f"--chunk-mib must be in [1, {CHUNK_BYTES // 2**20}]: WeightClient refuses larger chunks")
 
     model = build_model(args.model)
     num_params = sum(p.numel() for p in model.parameters())
@@ -270,6 +280,7 @@ def main() -> None:
             "num_params": num_params,
             "model_bytes": nbytes,
             "sync_dtype": args.sync_dtype or "trainer's (float32)",
+            "chunk_mib": args.chunk_mib,
             "repeats": args.repeats,
             "quick": args.quick,
             "torch_threads": torch.get_num_threads(),

@@ -216,10 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve: stand in for the trainer on this host; connect: test a serving host (or a live "
         "trainer: reachability, latency and a weight fetch only); local: both here (default)",
     )
-    p.add_argument("--trainer-host", default="127.0.0.1")
-    p.add_argument("--bind-host", default="*")
-    p.add_argument("--data-port", type=int, default=5555)
-    p.add_argument("--sync-port", type=int, default=5556)
+    p.add_argument("--trainer-host", help="default: pipeline.trainer_host (127.0.0.1)")
+    p.add_argument("--bind-host", help="serve: the interface to bind (default: pipeline.bind_host, *)")
+    p.add_argument("--data-port", type=int, help="default: pipeline.data_port (5555)")
+    p.add_argument("--sync-port", type=int, help="default: pipeline.sync_port (5556)")
     p.add_argument("--megabytes", type=int, default=256, help="size of the test weights")
     p.add_argument("--seconds", type=float, default=0, help="serve: stop after this long (0 = Ctrl-C)")
     p.add_argument("--config", help="take ports and CURVE keys from this config's pipeline section")

@@ -354,3 +354,16 @@ def test_launch_stops_every_process(make_run, how):
         assert run.wait(proc, "launch", timeout=60) == 130
         assert "interrupted" in run.log("launch")
     assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in children)
+
+
+def test_a_taken_port_stops_the_trainer_with_a_clear_error(make_run):
+    import socket
+
+    run = make_run("taken")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", run.data_port))
+        holder.listen()
+        rc = run.wait(run.trainer(), "trainer", timeout=60)
+    assert rc == 2
+    assert f"port {run.data_port}" in run.log("trainer") or "already in use" in run.log("trainer")
+    assert "Traceback" not in run.log("trainer")

@@ -96,13 +96,23 @@ class RemoteExperience:
     def __init__(self, cfg: Config, run_dir: Path, policy: torch.nn.Module) -> None:
         import zmq
 
+        self.cfg, self.run_dir = cfg, run_dir
+        self.context = zmq.Context()
+        try:
+            self._open(cfg, run_dir, policy)
+        except BaseException:
+            if getattr(self, "auth", None) is not None:
+                self.auth.stop()
+            self.context.destroy(linger=0)  # closes whichever socket was already open
+            raise
+
+    def _open(self, cfg: Config, run_dir: Path, policy: torch.nn.Module) -> None:
         from tandem.transport.auth import start_server_auth
         from tandem.transport.channel import GroupReceiver
         from tandem.transport.weights import FsWeightWriter, WeightServer, new_run_id
 
         p = cfg.pipeline
-        self.cfg, self.run_dir = cfg, run_dir
-        self.context = zmq.Context()
+        self.auth = None
         self.auth = start_server_auth(self.context, p.curve)
         self.run_id = new_run_id()
         self.receiver = GroupReceiver(

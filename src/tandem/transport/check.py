@@ -76,18 +76,13 @@ def run_check(args, *, num_groups: int = DEFAULT_NUM_GROUPS) -> int:
 
 def settings_from_args(args, *, num_groups: int = DEFAULT_NUM_GROUPS) -> CheckSettings:
     """The flags, completed from --config's pipeline section; an explicit flag wins over the config."""
-    trainer_host, bind_host = args.trainer_host, args.bind_host
-    data_port, sync_port = args.data_port, args.sync_port
-    curve = CurveConfig()
-    if args.config is not None:
-        pipeline = load_config(args.config).pipeline
-        # the flags' defaults are the pipeline's, so a flag left at its default was not given
-        default = PipelineConfig()
-        trainer_host = pipeline.trainer_host if trainer_host == default.trainer_host else trainer_host
-        bind_host = pipeline.bind_host if bind_host == default.bind_host else bind_host
-        data_port = pipeline.data_port if data_port == default.data_port else data_port
-        sync_port = pipeline.sync_port if sync_port == default.sync_port else sync_port
-        curve = pipeline.curve
+    # a flag that was not given is None: it comes from --config's pipeline section, or its default
+    pipeline = load_config(args.config).pipeline if args.config is not None else PipelineConfig()
+    trainer_host = args.trainer_host if args.trainer_host is not None else pipeline.trainer_host
+    bind_host = args.bind_host if args.bind_host is not None else pipeline.bind_host
+    data_port = args.data_port if args.data_port is not None else pipeline.data_port
+    sync_port = args.sync_port if args.sync_port is not None else pipeline.sync_port
+    curve = pipeline.curve
     for name, port in (("--data-port", data_port), ("--sync-port", sync_port)):
         if not 0 < port < 65536:
             raise CheckError(f"{name} {port} is not a TCP port (1..65535)")

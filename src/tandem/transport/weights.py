@@ -178,14 +178,18 @@ class WeightServer:
         try:
             configure_server(self._router, curve or CurveConfig())
             self._router.bind(address)
-        except zmq.ZMQError as err:
+        except (zmq.ZMQError, OSError) as err:  # OSError: a missing or unreadable CURVE key file
             self._router.close()
-            if err.errno == errno.EADDRINUSE:
+            if self._own_context:
+                self._context.term()
+            if isinstance(err, zmq.ZMQError) and err.errno == errno.EADDRINUSE:
                 raise OSError(
                     errno.EADDRINUSE,
                     f"cannot bind the weight-sync channel to {address}: address already in use (is another "
                     "trainer running?); set pipeline.sync_port to a free port",
                 ) from err
+            if isinstance(err, zmq.ZMQError):
+                raise OSError(err.errno, f"cannot bind the weight-sync channel to {address}: {err}") from err
             raise
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         wake = f"inproc://tandem-weights-{id(self)}"
@@ -373,8 +377,12 @@ class WeightClient:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_chunk_bytes + MAX_REQUEST_BYTES)
         self._max_bytes = max_chunk_bytes + MAX_REQUEST_BYTES
-        configure_client(self._socket, curve or CurveConfig())
-        self._socket.connect(address)
+        try:
+            configure_client(self._socket, curve or CurveConfig())
+            self._socket.connect(address)
+        except Exception:
+            self.close()
+            raise
         self._flat: torch.Tensor | None = None
 
     def _request(self, kind: str, payload: dict) -> str:
