@@ -207,18 +207,25 @@ def measure_sockets(codec: dict, args: argparse.Namespace) -> dict:
             address = "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/raw.sock"
             count = args.raw_messages
             run = receive("raw_10mib", address, parent, 0, count, num_warmup=5)
-            results[transport]["raw_10mib"] = {**run, "gb_s": count * RAW_MESSAGE_BYTES / run["seconds"] / 1e9}
+            results[transport]["raw_10mib"] = {
+                **run,
+                "gb_s": count * RAW_MESSAGE_BYTES / run["seconds"] / 1e9,
+            }
     parent.send(None)
     process.join(timeout=30)
     return results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prompts-per-step", type=int, default=8, help="groups a GRPO step consumes")
     parser.add_argument("--step-seconds", type=float, default=10.9, help="GRPO step time to compare with")
     parser.add_argument("--codec-seconds", type=float, default=2.0, help="time spent per codec measurement")
-    parser.add_argument("--throughput-seconds", type=float, default=3.0, help="about this long per socket run")
+    parser.add_argument(
+        "--throughput-seconds", type=float, default=3.0, help="about this long per socket run"
+    )
     parser.add_argument("--raw-messages", type=int, default=300, help="10 MiB messages per raw anchor run")
     parser.add_argument("--quick", action="store_true", help="short runs, for a smoke test")
     parser.add_argument("--out", default=str(HERE / "results" / "transport.json"))
@@ -256,20 +263,26 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
-    print(f"codec, G={NUM_COMPLETIONS}, prompt {PROMPT_TOKENS} tokens; share of a step of "
-          f"{args.prompts_per_step} groups in {args.step_seconds} s (target < 1%)")
+    print(
+        f"codec, G={NUM_COMPLETIONS}, prompt {PROMPT_TOKENS} tokens; share of a step of "
+        f"{args.prompts_per_step} groups in {args.step_seconds} s (target < 1%)"
+    )
     for n, c in codec.items():
         ok = "ok" if c["share_of_step"] < 0.01 else "OVER"
-        print(f"  gen {n:5d}: {c['payload_bytes'] / 1e3:7.1f} kB  encode {c['encode_us']:8.1f} us  "
-              f"decode {c['decode_us']:8.1f} us  share {100 * c['share_of_step']:.4f}% {ok}")
+        print(
+            f"  gen {n:5d}: {c['payload_bytes'] / 1e3:7.1f} kB  encode {c['encode_us']:8.1f} us  "
+            f"decode {c['decode_us']:8.1f} us  share {100 * c['share_of_step']:.4f}% {ok}"
+        )
     for transport, rows in sockets.items():
         print(f"{transport}: raw 10 MiB {rows['raw_10mib']['gb_s']:.2f} GB/s")
         for n in GENERATED_TOKENS:
             ours, raw = rows[n]["tandem"], rows[n]["raw_frames"]
             r = ratios[transport][n]
-            print(f"  gen {n:5d}: ours {ours['groups_per_s']:8.0f} groups/s {ours['gb_s']:.3f} GB/s | "
-                  f"raw same frames {raw['groups_per_s']:8.0f}/s | ours/raw_frames "
-                  f"{r['ours_vs_raw_same_frames']:.3f}  ours/raw_10mib {r['ours_vs_raw_10mib_gb_s']:.4f}")
+            print(
+                f"  gen {n:5d}: ours {ours['groups_per_s']:8.0f} groups/s {ours['gb_s']:.3f} GB/s | "
+                f"raw same frames {raw['groups_per_s']:8.0f}/s | ours/raw_frames "
+                f"{r['ours_vs_raw_same_frames']:.3f}  ours/raw_10mib {r['ours_vs_raw_10mib_gb_s']:.4f}"
+            )
     print(f"wrote {args.out}")
 
 

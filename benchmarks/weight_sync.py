@@ -140,7 +140,15 @@ def sampler_main(conn, method: str, where: str, model_kind: str, num_rounds: int
         load_weights(model, flat, manifest)
         loaded = time.monotonic()
         marker = float(first_param(model).detach().view(-1)[0])
-        conn.send({"version": manifest.version, "seen": seen, "fetched": fetched, "loaded": loaded, "marker": marker})
+        conn.send(
+            {
+                "version": manifest.version,
+                "seen": seen,
+                "fetched": fetched,
+                "loaded": loaded,
+                "marker": marker,
+            }
+        )
     source.close()
 
 
@@ -240,7 +248,9 @@ def measure_gloo(nbytes: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed syncs per method (after a warm-up)")
     parser.add_argument("--model", choices=("random", "embedded"), default="random")
     parser.add_argument("--sync-dtype", choices=("float32", "bfloat16", "float16"), default=None)
@@ -254,7 +264,9 @@ def main() -> None:
     if args.quick:
         args.repeats = 2
     if not 0 < args.chunk_mib * 2**20 <= CHUNK_BYTES:
-        parser.error(f"--chunk-mib must be in [1, {CHUNK_BYTES // 2**20}]: WeightClient refuses larger chunks")
+        parser.error(
+            f"--chunk-mib must be in [1, {CHUNK_BYTES // 2**20}]: WeightClient refuses larger chunks"
+        )
 
     model = build_model(args.model)
     num_params = sum(p.numel() for p in model.parameters())
@@ -293,20 +305,28 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
-    print(f"{num_params / 1e6:.1f}M params, {nbytes / 1e6:.0f} MB; median of {args.repeats}; "
-          f"target <= {TARGET_SECONDS} s sampler-visible")
+    print(
+        f"{num_params / 1e6:.1f}M params, {nbytes / 1e6:.0f} MB; median of {args.repeats}; "
+        f"target <= {TARGET_SECONDS} s sampler-visible"
+    )
     copy = results["copy"]
-    print(f"  copy anchor      {copy['seconds']:.3f} s  {copy['gb_s']:5.2f} GB/s   "
-          f"(into a fresh buffer {copy['fresh_buffer_seconds']:.3f} s)")
+    print(
+        f"  copy anchor      {copy['seconds']:.3f} s  {copy['gb_s']:5.2f} GB/s   "
+        f"(into a fresh buffer {copy['fresh_buffer_seconds']:.3f} s)"
+    )
     for name in ("zmq", *(f"fs_{label}" for label in places)):
         r = results[name]
-        print(f"  {name:<16} {r['latency']:.3f} s  {r['gb_s']:5.2f} GB/s   x{ratios[name + '_vs_copy']:5.1f} copy  "
-              f"{'meets' if r['meets_target'] else 'MISSES'} target | snapshot {r['snapshot']:.3f} "
-              f"publish {r['publish']:.3f} notify {r['notify']:.3f} fetch {r['fetch']:.3f} load {r['load']:.3f}")
+        print(
+            f"  {name:<16} {r['latency']:.3f} s  {r['gb_s']:5.2f} GB/s   x{ratios[name + '_vs_copy']:5.1f} copy  "
+            f"{'meets' if r['meets_target'] else 'MISSES'} target | snapshot {r['snapshot']:.3f} "
+            f"publish {r['publish']:.3f} notify {r['notify']:.3f} fetch {r['fetch']:.3f} load {r['load']:.3f}"
+        )
     if "gloo_broadcast" in results:
         g = results["gloo_broadcast"]
-        print(f"  gloo broadcast   {g['seconds']:.3f} s  {g['gb_s']:5.2f} GB/s   "
-              f"x{ratios['gloo_broadcast_vs_copy']:5.1f} copy  (bytes only)")
+        print(
+            f"  gloo broadcast   {g['seconds']:.3f} s  {g['gb_s']:5.2f} GB/s   "
+            f"x{ratios['gloo_broadcast_vs_copy']:5.1f} copy  (bytes only)"
+        )
     print(f"wrote {args.out}")
 
 

@@ -114,6 +114,53 @@ def test_zmq_sync_versions_and_status(tiny_model_dir, server_and_client):
     assert client.status().starved
 
 
+def test_snapshot_buffers_are_reused_only_when_no_fetch_reads_them(tiny_model_dir, server_and_client):
+    server, client = server_and_client
+    trainer, sampler = model_pair(tiny_model_dir)
+    first = take_snapshot(trainer.named_parameters(), version=0, run_id="run-a", chunk_bytes=4096)
+    server.publish(first)
+    assert server.busy(first.flat)  # the published buffer is never overwritten
+    manifest, flat = client.fetch(timeout_s=5)
+    second = take_snapshot(trainer.named_parameters(), version=1, run_id="run-a", chunk_bytes=4096)
+    server.publish(second)
+    deadline = time.monotonic() + 5
+    while server.busy(first.flat) and time.monotonic() < deadline:  # the fetch has left the socket
+        time.sleep(0.01)
+    assert not server.busy(first.flat) and server.busy(second.flat)
+    with torch.no_grad():
+        next(trainer.parameters()).add_(1.0)
+    reused = take_snapshot(
+        trainer.named_parameters(), version=2, run_id="run-a", chunk_bytes=4096, out=first.flat
+    )
+    assert reused.flat.data_ptr() == first.flat.data_ptr()
+    server.publish(reused)
+    manifest, flat = client.fetch(timeout_s=5)
+    assert manifest.version == 2
+    load_weights(sampler, flat, manifest)
+    assert same_params(trainer, sampler)
+    # a buffer of the wrong size is not used
+    other = take_snapshot(
+        trainer.named_parameters(), version=3, run_id="run-a", out=torch.empty(8, dtype=torch.uint8)
+    )
+    assert other.flat.numel() == reused.flat.numel()
+
+
+def test_a_local_trainer_also_listens_on_a_unix_socket(tiny_model):
+    from tandem.transport.weights import sync_address
+
+    port = free_tcp_port()
+    server = WeightServer(f"tcp://127.0.0.1:{port}", run_id="run-l")
+    try:
+        assert server.local_address is not None and sync_address("127.0.0.1", port) == server.local_address
+        assert sync_address("10.0.0.7", port) == f"tcp://10.0.0.7:{port}"
+        server.publish(take_snapshot(tiny_model.named_parameters(), version=4, run_id="run-l"))
+        client = WeightClient(server.local_address)
+        assert client.fetch(timeout_s=5)[0].version == 4
+        client.close()
+    finally:
+        server.close()
+
+
 def test_zmq_long_poll_wakes_on_publish(tiny_model, server_and_client):
     server, client = server_and_client
     server.publish(take_snapshot(tiny_model.named_parameters(), version=0, run_id="run-a"))

@@ -40,9 +40,9 @@ from tandem.atomic import atomic_write_text
 from tandem.config import Config
 from tandem.models.loading import load_tokenizer
 from tandem.sampler.rollout import build_rollout, prompt_stream
-from tandem.trainer.runtime import resolve_device, set_seed, set_threads
+from tandem.trainer.runtime import resolve_device, set_seed, set_threads, tune_allocator
 from tandem.transport.channel import GroupSender
-from tandem.transport.weights import FsWeightReader, WeightClient, load_weights
+from tandem.transport.weights import FsWeightReader, WeightClient, load_weights, sync_address
 from tandem.types import TrainerStatus
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class Sampler:
         salt = zlib.crc32(sampler_id.encode())  # samplers of one run see different prompts and samples
         set_seed(cfg.seed + salt)
         set_threads(cfg.sampling.num_threads)
+        tune_allocator()
         self.device = resolve_device(device)
         tokenizer = load_tokenizer(
             cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code
@@ -92,9 +93,9 @@ class Sampler:
         data_address = f"tcp://{p.trainer_host}:{p.data_port}"
         self.sender = GroupSender(data_address, sndhwm=p.send_hwm, context=self.context, curve=p.curve)
         if p.sync_method == "zmq":
-            sync_address = f"tcp://{p.trainer_host}:{p.sync_port}"
-            self.weights = WeightClient(sync_address, context=self.context, curve=p.curve)
-            self.trainer_where = f"{data_address} (weights {sync_address})"
+            weights_address = sync_address(p.trainer_host, p.sync_port)
+            self.weights = WeightClient(weights_address, context=self.context, curve=p.curve)
+            self.trainer_where = f"{data_address} (weights {weights_address})"
         else:
             root = Path(p.sync_dir) if p.sync_dir else cfg.run_dir / "weights"
             self.weights = FsWeightReader(root)
@@ -161,8 +162,20 @@ class Sampler:
                 )
                 return status
 
+    def _prefer_local_socket(self) -> None:
+        """A sampler that started before its local trainer took TCP; switch to the trainer's ipc twin."""
+        p = self.cfg.pipeline
+        if not isinstance(self.weights, WeightClient) or not self.weights.address.startswith("tcp://"):
+            return
+        address = sync_address(p.trainer_host, p.sync_port)
+        if address != self.weights.address:
+            self.weights.close()
+            self.weights = WeightClient(address, context=self.context, curve=p.curve)
+            self.trainer_where = self.trainer_where.replace(f"tcp://{p.trainer_host}:{p.sync_port}", address)
+
     def update_weights(self, status: TrainerStatus) -> float:
         start = time.perf_counter()
+        self._prefer_local_socket()
         got = self.weights.fetch(timeout_s=120.0)
         if got is None:
             return 0.0  # the trainer went away or pruned it: the next status says what now

@@ -128,6 +128,7 @@ class RemoteExperience:
         else:
             root = Path(p.sync_dir) if p.sync_dir else run_dir / "weights"
             self.publisher = FsWeightWriter(root, run_id=self.run_id, keep=p.sync_keep_versions)
+        self._buffers: list[torch.Tensor] = []  # snapshot buffers, reused once no fetch reads them
         self.version = _next_version(run_dir)
         self.dropped: Counter[str] = Counter()
         self.publish(policy)
@@ -145,9 +146,13 @@ class RemoteExperience:
 
         start = time.perf_counter()
         params = ((name, p) for name, p in policy.named_parameters())
+        spare = next((b for b in self._buffers if not self.publisher.busy(b)), None)
         snapshot = take_snapshot(
-            params, version=self.version, run_id=self.run_id, dtype=self.cfg.pipeline.sync_dtype
+            params, version=self.version, run_id=self.run_id, dtype=self.cfg.pipeline.sync_dtype, out=spare
         )
+        if spare is None:
+            # a buffer a slow fetch still reads from is dropped from the pool; zmq keeps it alive
+            self._buffers = [*self._buffers[-2:], snapshot.flat]
         self.publisher.publish(snapshot)
         atomic_write_text(self.run_dir / SYNC_STATE_FILE, json.dumps({"version": self.version}), fsync=False)
         return time.perf_counter() - start

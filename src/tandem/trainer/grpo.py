@@ -25,7 +25,15 @@ from tandem.trainer.batching import collate, flatten_groups, loss_normalizer, sp
 from tandem.trainer.experience import LocalExperience, RemoteExperience
 from tandem.trainer.metrics import MetricsLogger, write_samples
 from tandem.trainer.optim import build_optimizer, build_scheduler
-from tandem.trainer.runtime import autocast, grad_scaler, peak_rss_gb, resolve_device, set_seed, set_threads
+from tandem.trainer.runtime import (
+    autocast,
+    grad_scaler,
+    peak_rss_gb,
+    resolve_device,
+    set_seed,
+    set_threads,
+    tune_allocator,
+)
 from tandem.types import Group
 
 log = logging.getLogger(__name__)
@@ -39,6 +47,7 @@ def train_grpo(cfg: Config) -> Path:
     """
     set_seed(cfg.seed)
     set_threads(cfg.training.num_threads)
+    tune_allocator()
     device = resolve_device(cfg.training.device)
     run_dir, tc = cfg.run_dir, cfg.training
     checkpoints_dir = run_dir / "checkpoints"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import tempfile
 import threading
 import time
 import uuid
@@ -83,8 +84,13 @@ def take_snapshot(
     run_id: str,
     dtype: str | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    out: torch.Tensor | None = None,
 ) -> Snapshot:
-    """Copy tensors (any device) into a new flat CPU buffer, cast to `dtype` (None: keep each one's)."""
+    """Copy tensors (any device) into a flat CPU buffer, cast to `dtype` (None: keep each one's).
+
+    `out`, a buffer of an earlier snapshot of the same model that nobody reads any more, is reused:
+    a fresh 0.5 GB buffer costs 8x a copy into warm pages (page faults), measured in
+    benchmarks/weight_sync.py."""
     items = [(name, t.detach()) for name, t in named_tensors]
     specs, offset = [], 0
     for name, t in items:
@@ -96,7 +102,7 @@ def take_snapshot(
         nbytes = t.numel() * WEIGHT_DTYPES[name_dtype]
         specs.append(TensorSpec(name, name_dtype, tuple(t.shape), offset, nbytes))
         offset = -(-(offset + nbytes) // ALIGN) * ALIGN
-    flat = torch.empty(offset, dtype=torch.uint8)
+    flat = out if out is not None and out.numel() == offset else torch.empty(offset, dtype=torch.uint8)
     end = 0
     for spec, (_, t) in zip(specs, items):
         flat[end : spec.offset] = 0  # alignment padding: keep the buffer (and its hashes) deterministic
@@ -150,6 +156,21 @@ def new_run_id() -> str:
 
 # ----------------------------------------------------------------------------- zmq method
 
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def local_sync_address(port: int) -> str:
+    """The Unix-socket twin of tcp://*:port that a trainer's WeightServer also listens on."""
+    return f"ipc://{tempfile.gettempdir()}/tandem-sync-{port}.ipc"
+
+
+def sync_address(host: str, port: int) -> str:
+    """Where a sampler fetches weights: the ipc twin when the trainer is on this host and up."""
+    local = local_sync_address(port)
+    if host in LOCAL_HOSTS and Path(local.removeprefix("ipc://")).exists():
+        return local
+    return f"tcp://{host}:{port}"
+
 
 class WeightServer:
     """Trainer side of the `zmq` method: serves the newest snapshot and the trainer's status.
@@ -192,6 +213,15 @@ class WeightServer:
                 raise OSError(err.errno, f"cannot bind the weight-sync channel to {address}: {err}") from err
             raise
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.local_address = None
+        port = self.address.rsplit(":", 1)[-1]
+        if self.address.startswith("tcp://") and port.isdigit():
+            # samplers on this host fetch over a Unix socket: twice loopback TCP's bandwidth here
+            try:
+                self._router.bind(local_sync_address(int(port)))
+                self.local_address = local_sync_address(int(port))
+            except zmq.ZMQError as err:
+                log.info("weight server: no local ipc endpoint (%s); samplers use %s", err, self.address)
         wake = f"inproc://tandem-weights-{id(self)}"
         self._wake_in = self._context.socket(zmq.PAIR)
         self._wake_in.setsockopt(zmq.LINGER, 0)
@@ -203,6 +233,7 @@ class WeightServer:
         self._snapshot: Snapshot | None = None
         self._status = TrainerStatus(version=-1, run_id=run_id)
         self._stop = False
+        self._in_flight: list[tuple[int, zmq.MessageTracker]] = []  # (buffer address, tracker)
         self.dropped: Counter[str] = Counter()
         self.served: Counter[str] = Counter()
         self._thread = threading.Thread(target=self._serve, name="tandem-weight-server", daemon=True)
@@ -214,6 +245,13 @@ class WeightServer:
             self._snapshot = snapshot
             self._status = replace(self._status, version=snapshot.manifest.version)
         self._wake_out.send(b"")
+
+    def busy(self, flat: torch.Tensor) -> bool:
+        """Whether a fetch still has chunks of this buffer queued (zero-copy: they must not change)."""
+        with self._lock:
+            self._in_flight = [(ptr, t) for ptr, t in self._in_flight if not t.done]
+            published = self._snapshot is not None and self._snapshot.flat.data_ptr() == flat.data_ptr()
+            return published or any(ptr == flat.data_ptr() for ptr, _ in self._in_flight)
 
     def set_status(self, *, starved: bool | None = None, finished: bool | None = None) -> None:
         with self._lock:
@@ -305,10 +343,12 @@ class WeightServer:
                 still.append((identity, request, newer_than, run_id, deadline))
         return still
 
-    def _send(self, identity: bytes, frames: list) -> bool:
+    def _send(self, identity: bytes, frames: list, track: bool = False) -> zmq.MessageTracker | bool:
         try:
-            self._router.send_multipart([identity, *frames], flags=zmq.DONTWAIT, copy=False)
-            return True
+            tracker = self._router.send_multipart(
+                [identity, *frames], flags=zmq.DONTWAIT, copy=False, track=track
+            )
+            return tracker if track else True
         except zmq.ZMQError as err:  # EHOSTUNREACH: the sampler left; EAGAIN: it stopped reading
             self.dropped["unroutable"] += 1
             log.debug("weight server could not reply to a sampler: %s", err)
@@ -319,10 +359,14 @@ class WeightServer:
         self.served["status"] += 1
 
     def _send_snapshot(self, identity: bytes, request: str, snapshot: Snapshot) -> None:
+        address = snapshot.flat.data_ptr()
         for index in range(len(snapshot.manifest.chunks)):
             frames = encode_weights_chunk(snapshot.manifest, index, snapshot.chunk(index), request=request)
-            if not self._send(identity, frames):
+            tracker = self._send(identity, frames, track=True)  # the chunk is the last frame
+            if not tracker:
                 return
+            with self._lock:
+                self._in_flight.append((address, tracker))
         self.served["fetch"] += 1
 
 
@@ -525,6 +569,9 @@ class FsWeightWriter:
             path.rmdir()
         self._status = replace(self._status, version=snapshot.manifest.version)
         self._write_status()
+
+    def busy(self, flat: torch.Tensor) -> bool:
+        return False  # published versions are files: the buffer is free once publish returns
 
     def set_status(self, *, starved: bool | None = None, finished: bool | None = None) -> None:
         old = self._status
