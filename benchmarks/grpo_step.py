@@ -48,7 +48,7 @@ OVERRIDES = [
 ]
 
 
-def run_ours(steps: int, out: Path) -> dict:
+def run_ours(steps: int, out: Path, extra: list[str]) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -59,6 +59,7 @@ def run_ours(steps: int, out: Path) -> dict:
         f"output_dir={out}",
         f"training.max_steps={steps}",
         *OVERRIDES,
+        *extra,
     ]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -117,11 +118,12 @@ def main() -> None:
         "--skip-anchor", action="store_true", help="skip the HF generate machine-speed anchor"
     )
     parser.add_argument("--out", default=str(HERE / "results" / "grpo_step.json"))
+    parser.add_argument("overrides", nargs="*", help="more key=value settings for our run")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        ours = run_ours(args.steps, Path(tmp))
-    result = {"setting": OVERRIDES, "ours": ours, "trl_1_16_peer": TRL}
+        ours = run_ours(args.steps, Path(tmp), args.overrides)
+    result = {"setting": OVERRIDES + args.overrides, "ours": ours, "trl_1_16_peer": TRL}
     speed = 1.0
     if not args.skip_anchor:
         anchor = run_anchor()

@@ -64,14 +64,20 @@ def run(config: str, steps: int, out: Path, mode: str, extra: list[str]) -> dict
         result["sampler_generate_tokens_per_second"] = statistics.median(
             b["generate_tokens_per_second"] for b in batches
         )
-        result["sampler_wait_trainer_seconds_mean"] = statistics.fmean(b["time_wait_trainer"] for b in batches)
+        result["sampler_wait_trainer_seconds_mean"] = statistics.fmean(
+            b["time_wait_trainer"] for b in batches
+        )
     else:
-        result["generate_tokens_per_second"] = statistics.median(r["generate_tokens_per_second"] for r in timed)
+        result["generate_tokens_per_second"] = statistics.median(
+            r["generate_tokens_per_second"] for r in timed
+        )
     return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--config", default=str(HERE.parent / "configs" / "grpo_tiny.yaml"))
     parser.add_argument("--out", default=str(HERE / "results" / "pipeline.json"))
@@ -87,7 +93,8 @@ def main() -> None:
         "colocated": colocated,
         "decoupled": decoupled,
         "ratios": {
-            "step_time_decoupled_vs_colocated": decoupled["step_seconds_mean"] / colocated["step_seconds_mean"],
+            "step_time_decoupled_vs_colocated": decoupled["step_seconds_mean"]
+            / colocated["step_seconds_mean"],
             "tokens_per_second_decoupled_vs_colocated": decoupled["tokens_per_second"]
             / colocated["tokens_per_second"],
             "trainer_wait_share": decoupled["wait_seconds_mean"] / decoupled["step_seconds_mean"],

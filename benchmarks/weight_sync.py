@@ -1,7 +1,8 @@
 """Weight sync of a 135M-parameter fp32 policy, trainer -> sampler process, against a memory copy.
 
   .venv/bin/python benchmarks/weight_sync.py [--quick] [--repeats 5] [--model random|embedded]
-                                             [--sync-dtype bfloat16] [--skip-gloo]
+                                             [--sync-dtype bfloat16] [--chunk-mib 8] [--default-allocator]
+                                             [--skip-gloo]
 
 The policy has SmolLM2-135M's shapes (Llama: 30 layers, hidden 576, intermediate 1536, 9 heads /
 3 kv heads, vocab 49152, tied embeddings: 134.5M parameters, 538 MB in fp32), random by default;
@@ -10,13 +11,18 @@ median of `--repeats` (after one warm-up):
 (a) the anchor: a plain `copy_` of the same bytes between two pre-faulted flat buffers (and into a
     freshly allocated one, which also pays the page faults a new buffer costs);
 (b) `zmq`: trainer `take_snapshot` + `WeightServer.publish`; a spawned sampler process long-polls
-    `WeightClient.status`, then `fetch` + `load_weights` into its model, over tcp://127.0.0.1;
+    `WeightClient.status`, then `fetch` + `load_weights` into its model, over the trainer's ipc twin
+    of its TCP port (what a sampler on the same host uses), snapshot buffers reused as the trainer does;
 (c) `fs`: `take_snapshot` + `FsWeightWriter.publish` (write, fsync, rename, prune); the sampler polls
     `FsWeightReader.status`, then `fetch` + `load_weights`; in /dev/shm (if present) and in /tmp;
 (d) torch.distributed gloo broadcast of the same bytes between 2 processes (bytes only: no
     snapshot, no load), for comparison.
 Latency is what the sampler sees: from the start of the trainer's snapshot to the weights loaded in
 the sampler's model (both processes read CLOCK_MONOTONIC). Target: <= 0.15 s per sync on one host.
+The split (snapshot, publish, notify, fetch, load) gives each part's own median, so the parts need
+not add up exactly. The trainer side tunes glibc malloc as tandem's trainer does
+(`tune_allocator`; the sampler worker does not); `--default-allocator` leaves it alone,
+`--chunk-mib` sets the chunk size.
 Writes benchmarks/results/weight_sync.json.
 """
 
@@ -33,17 +39,20 @@ from pathlib import Path
 
 import torch
 
+from tandem.trainer.runtime import tune_allocator
 from tandem.transport.channel import free_tcp_port
 from tandem.transport.weights import (
     CHUNK_BYTES,
     FsWeightReader,
     FsWeightWriter,
+    SnapshotBuffers,
     WeightClient,
     WeightServer,
     load_weights,
     new_run_id,
-    take_snapshot,
+    sync_address,
 )
+from tandem.transport.wire import WEIGHT_DTYPES
 
 HERE = Path(__file__).resolve().parent
 TARGET_SECONDS = 0.15
@@ -94,6 +103,11 @@ def first_param(model: torch.nn.Module) -> torch.Tensor:
     return next(model.parameters())
 
 
+def sync_bytes(model: torch.nn.Module, dtype: str | None) -> int:
+    """Bytes one version carries: the parameters in the sync dtype (None: their own)."""
+    return sum(p.numel() * (WEIGHT_DTYPES[dtype] if dtype else p.element_size()) for p in model.parameters())
+
+
 def median_of(rows: list[dict]) -> dict:
     return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
 
@@ -124,8 +138,9 @@ def measure_copy(nbytes: int, repeats: int) -> dict:
 # ----------------------------------------------------------------------------- (b, c) tandem
 
 
-def sampler_main(conn, method: str, where: str, model_kind: str, num_rounds: int) -> None:
+def sampler_main(conn, method: str, where: str, model_kind: str, num_rounds: int, tune: bool) -> None:
     """Child process: the sampler side, one round per published version."""
+    del tune  # the sampler worker leaves glibc malloc alone (received chunks reuse warm pages)
     model = build_model(model_kind)
     source = WeightClient(where) if method == "zmq" else FsWeightReader(where)
     for version in range(num_rounds):
@@ -156,17 +171,22 @@ def measure_method(method: str, where: str, model: torch.nn.Module, args: argpar
     """Publish warm-up + `repeats` versions and time each until the sampler has loaded it."""
     run_id = new_run_id()
     if method == "zmq":
-        publisher = WeightServer("tcp://127.0.0.1:*", run_id=run_id)
-        address = publisher.address
+        port = free_tcp_port()
+        publisher = WeightServer(f"tcp://127.0.0.1:{port}", run_id=run_id)
+        address = sync_address("127.0.0.1", port)  # what a sampler on this host uses (ipc twin)
     else:
         publisher = FsWeightWriter(where, run_id=run_id, keep=2)
         address = where
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     num_rounds = args.repeats + 1
-    process = ctx.Process(target=sampler_main, args=(child, method, address, args.model, num_rounds))
+    process = ctx.Process(
+        target=sampler_main,
+        args=(child, method, address, args.model, num_rounds, not args.default_allocator),
+    )
     process.start()
     rows = []
+    buffers = SnapshotBuffers()
     try:
         for version in range(num_rounds):
             assert conn.recv() == "ready"
@@ -174,8 +194,9 @@ def measure_method(method: str, where: str, model: torch.nn.Module, args: argpar
             with torch.no_grad():
                 first_param(model).view(-1)[0] = version + 0.5  # proves this version arrived
             start = time.monotonic()
-            snapshot = take_snapshot(
+            snapshot = buffers.snapshot(  # as the trainer does: reuse buffers no fetch reads
                 model.named_parameters(),
+                publisher=publisher,
                 version=version,
                 run_id=run_id,
                 dtype=args.sync_dtype,
@@ -203,11 +224,10 @@ def measure_method(method: str, where: str, model: torch.nn.Module, args: argpar
             process.terminate()
         publisher.close()
     timed = median_of(rows[1:])
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
         **timed,
         "latency_without_notify": timed["latency"] - timed["notify"],
-        "gb_s": nbytes / timed["latency"] / 1e9,
+        "gb_s": sync_bytes(model, args.sync_dtype) / timed["latency"] / 1e9,
         "meets_target": timed["latency"] <= TARGET_SECONDS,
         "rows": rows,
     }
@@ -257,6 +277,11 @@ def main() -> None:
     parser.add_argument(
         "--chunk-mib", type=int, default=CHUNK_BYTES // 2**20, help="snapshot chunk size (<= the default)"
     )
+    parser.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="leave glibc malloc as it is (trainer and sampler call tune_allocator otherwise)",
+    )
     parser.add_argument("--skip-gloo", action="store_true", help="skip the torch.distributed comparison")
     parser.add_argument("--quick", action="store_true", help="2 repeats, for a smoke test")
     parser.add_argument("--out", default=str(HERE / "results" / "weight_sync.json"))
@@ -268,9 +293,10 @@ def main() -> None:
             f"--chunk-mib must be in [1, {CHUNK_BYTES // 2**20}]: WeightClient refuses larger chunks"
         )
 
+    tuned = not args.default_allocator and tune_allocator()  # as the trainer and the sampler do
     model = build_model(args.model)
     num_params = sum(p.numel() for p in model.parameters())
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    nbytes = sync_bytes(model, args.sync_dtype)
     results = {"copy": measure_copy(nbytes, args.repeats)}
     results["zmq"] = measure_method("zmq", "", model, args)
     places = {"shm": "/dev/shm", "disk": "/tmp"} if os.path.isdir("/dev/shm") else {"disk": "/tmp"}
@@ -290,9 +316,10 @@ def main() -> None:
         "setting": {
             "model": args.model,
             "num_params": num_params,
-            "model_bytes": nbytes,
+            "sync_bytes": nbytes,  # one version in the sync dtype
             "sync_dtype": args.sync_dtype or "trainer's (float32)",
             "chunk_mib": args.chunk_mib,
+            "tune_allocator": tuned,
             "repeats": args.repeats,
             "quick": args.quick,
             "torch_threads": torch.get_num_threads(),
@@ -306,7 +333,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1))
 
     print(
-        f"{num_params / 1e6:.1f}M params, {nbytes / 1e6:.0f} MB; median of {args.repeats}; "
+        f"{num_params / 1e6:.1f}M params, {nbytes / 1e6:.0f} MB per version; median of {args.repeats}; "
         f"target <= {TARGET_SECONDS} s sampler-visible"
     )
     copy = results["copy"]

@@ -40,7 +40,7 @@ from tandem.atomic import atomic_write_text
 from tandem.config import Config
 from tandem.models.loading import load_tokenizer
 from tandem.sampler.rollout import build_rollout, prompt_stream
-from tandem.trainer.runtime import resolve_device, set_seed, set_threads, tune_allocator
+from tandem.trainer.runtime import resolve_device, set_seed, set_threads
 from tandem.transport.channel import GroupSender
 from tandem.transport.weights import FsWeightReader, WeightClient, load_weights, sync_address
 from tandem.types import TrainerStatus
@@ -73,7 +73,8 @@ class Sampler:
         salt = zlib.crc32(sampler_id.encode())  # samplers of one run see different prompts and samples
         set_seed(cfg.seed + salt)
         set_threads(cfg.sampling.num_threads)
-        tune_allocator()
+        # no tune_allocator() here: with a 1 MiB mmap threshold every received weight chunk would
+        # be a fresh mapping, page-faulted in on each sync (fetch 2x slower, benchmarks/weight_sync.py)
         self.device = resolve_device(device)
         tokenizer = load_tokenizer(
             cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code

@@ -109,7 +109,7 @@ class RemoteExperience:
     def _open(self, cfg: Config, run_dir: Path, policy: torch.nn.Module) -> None:
         from tandem.transport.auth import start_server_auth
         from tandem.transport.channel import GroupReceiver
-        from tandem.transport.weights import FsWeightWriter, WeightServer, new_run_id
+        from tandem.transport.weights import FsWeightWriter, SnapshotBuffers, WeightServer, new_run_id
 
         p = cfg.pipeline
         self.auth = None
@@ -128,7 +128,7 @@ class RemoteExperience:
         else:
             root = Path(p.sync_dir) if p.sync_dir else run_dir / "weights"
             self.publisher = FsWeightWriter(root, run_id=self.run_id, keep=p.sync_keep_versions)
-        self._buffers: list[torch.Tensor] = []  # snapshot buffers, reused once no fetch reads them
+        self._buffers = SnapshotBuffers()
         self.version = _next_version(run_dir)
         self.dropped: Counter[str] = Counter()
         self.publish(policy)
@@ -142,17 +142,14 @@ class RemoteExperience:
         )
 
     def publish(self, policy: torch.nn.Module) -> float:
-        from tandem.transport.weights import take_snapshot
-
         start = time.perf_counter()
-        params = ((name, p) for name, p in policy.named_parameters())
-        spare = next((b for b in self._buffers if not self.publisher.busy(b)), None)
-        snapshot = take_snapshot(
-            params, version=self.version, run_id=self.run_id, dtype=self.cfg.pipeline.sync_dtype, out=spare
+        snapshot = self._buffers.snapshot(
+            policy.named_parameters(),
+            publisher=self.publisher,
+            version=self.version,
+            run_id=self.run_id,
+            dtype=self.cfg.pipeline.sync_dtype,
         )
-        if spare is None:
-            # a buffer a slow fetch still reads from is dropped from the pool; zmq keeps it alive
-            self._buffers = [*self._buffers[-2:], snapshot.flat]
         self.publisher.publish(snapshot)
         atomic_write_text(self.run_dir / SYNC_STATE_FILE, json.dumps({"version": self.version}), fsync=False)
         return time.perf_counter() - start

@@ -49,7 +49,7 @@ from tandem.types import TensorSpec, TrainerStatus, WeightsManifest
 log = logging.getLogger(__name__)
 
 DEFAULT_SYNC_PORT = 5556
-CHUNK_BYTES = 32 * 2**20
+CHUNK_BYTES = 8 * 2**20  # below glibc's 32 MiB mmap ceiling: received chunks reuse warm heap pages
 ALIGN = 64
 MAX_REQUEST_BYTES = 64 * 2**10
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -115,6 +115,23 @@ def take_snapshot(
         for start in range(0, offset, chunk_bytes)
     )
     return Snapshot(WeightsManifest(version, run_id, offset, tuple(specs), chunks), flat)
+
+
+class SnapshotBuffers:
+    """Snapshots into reused buffers: one that no fetch reads any more (`publisher.busy`) is
+    overwritten; otherwise a new one is made and the oldest leaves the pool (zmq keeps a buffer
+    alive while its chunks are queued)."""
+
+    def __init__(self, keep: int = 3) -> None:
+        self.keep = keep
+        self._buffers: list[torch.Tensor] = []
+
+    def snapshot(self, named_tensors, *, publisher, **kwargs) -> Snapshot:
+        spare = next((b for b in self._buffers if not publisher.busy(b)), None)
+        snap = take_snapshot(named_tensors, out=spare, **kwargs)
+        if snap.flat is not spare:
+            self._buffers = [*self._buffers[-(self.keep - 1) :], snap.flat]
+        return snap
 
 
 def tensor_view(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
