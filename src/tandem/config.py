@@ -45,6 +45,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     policy: str = "embedded"  # "embedded" | HF folder | hub id | path/to/model.gguf
     reference: str | None = None  # None = a frozen copy of the policy's initial weights
+    reference_offload: bool = False  # load the reference for each batch's log-probs only (less peak memory)
     tokenizer: str | None = None  # None = the policy's
     dtype: str = "float32"  # master weights: float32 | bfloat16 | float16
     trust_remote_code: bool = False

@@ -136,3 +136,19 @@ def test_existing_run_folder_is_not_overwritten(tiny_model_dir, tmp_path):
     train_grpo(tiny_config(tiny_model_dir, tmp_path, "once", "training.max_steps=1"))
     with pytest.raises(FileExistsError, match="resume_from_checkpoint=latest"):
         train_grpo(tiny_config(tiny_model_dir, tmp_path, "once", "training.max_steps=1"))
+
+
+def test_offloaded_reference_gives_the_same_run(tiny_model_dir, tmp_path):
+    """model.reference_offload reloads the reference for each batch: same numbers, less memory held."""
+    train_grpo(tiny_config(tiny_model_dir, tmp_path, "held", "training.max_steps=2"))
+    train_grpo(
+        tiny_config(
+            tiny_model_dir, tmp_path, "offloaded", "training.max_steps=2", "model.reference_offload=true"
+        )
+    )
+    held, offloaded = (
+        [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("held", "offloaded")
+    )
+    assert [r["kl"] for r in held] == [r["kl"] for r in offloaded] and held[1]["kl"] > 0
+    assert [r["loss"] for r in held] == [r["loss"] for r in offloaded]
