@@ -29,4 +29,4 @@ lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
 
 bench: setup
-	$(PY) benchmarks/grpo_step.py
+	$(PY) benchmarks/grpo_step.py model.reference_offload=true
