@@ -265,6 +265,8 @@ def test_trainer_killed_and_restarted_resumes_and_the_sampler_reconnects(make_ru
 def test_hostile_messages_to_a_live_trainer_are_dropped_and_counted(make_run, tmp_path):
     run = make_run("fuzz", "training.max_steps=4", "pipeline.max_message_mb=1")
     trainer = run.trainer()
+    # connect once the trainer listens (connecting first to a free ephemeral port can self-connect)
+    run.wait_for(lambda: "waiting for samplers" in run.log("trainer"), "the trainer to bind")
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 2000)
