@@ -253,3 +253,33 @@ def test_fs_sync_is_atomic_checksummed_and_pruned(tiny_model_dir, tmp_path):
     bin_path.write_bytes(bytes(data))
     with pytest.raises(WeightSyncError, match="checksum"):
         reader.fetch()
+
+
+def test_a_finished_server_knows_which_samplers_have_not_heard_it(tiny_model, server_and_client):
+    server, client = server_and_client
+    server.publish(take_snapshot(tiny_model.named_parameters(), version=0, run_id="run-a"))
+    assert client.status().version == 0
+    assert server.untold() == 1  # heard from, not yet told
+    server.set_status(finished=True)
+    assert server.untold() == 1
+    assert client.status().finished
+    assert server.untold() == 0
+    assert server.untold(window_s=0) == 0  # nobody seen that recently
+
+
+def test_a_finished_server_forgets_samplers_that_left(tiny_model):
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    server = WeightServer(address, run_id="run-a")
+    try:
+        server.publish(take_snapshot(tiny_model.named_parameters(), version=0, run_id="run-a"))
+        gone = WeightClient(address)
+        assert gone.status().version == 0
+        gone.close()  # leaves without hearing that the run finished
+        assert server.untold() == 1
+        server.set_status(finished=True)
+        deadline = time.monotonic() + 10
+        while server.untold() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.untold() == 0
+    finally:
+        server.close()

@@ -94,7 +94,7 @@ class Sampler:
         data_address = f"tcp://{p.trainer_host}:{p.data_port}"
         self.sender = GroupSender(data_address, sndhwm=p.send_hwm, context=self.context, curve=p.curve)
         if p.sync_method == "zmq":
-            weights_address = sync_address(p.trainer_host, p.sync_port)
+            weights_address = f"tcp://{p.trainer_host}:{p.sync_port}"  # ipc once it proves to answer
             self.weights = WeightClient(weights_address, context=self.context, curve=p.curve)
             self.trainer_where = f"{data_address} (weights {weights_address})"
         else:
@@ -163,20 +163,27 @@ class Sampler:
                 )
                 return status
 
-    def _prefer_local_socket(self) -> None:
-        """A sampler that started before its local trainer took TCP; switch to the trainer's ipc twin."""
+    def _prefer_local_socket(self, status: TrainerStatus) -> None:
+        """Fetch from a trainer on this host over its ipc twin, once that answers as the same run
+        (a file left by a trainer that died is not trusted); TCP stays the fallback."""
         p = self.cfg.pipeline
         if not isinstance(self.weights, WeightClient) or not self.weights.address.startswith("tcp://"):
             return
         address = sync_address(p.trainer_host, p.sync_port)
-        if address != self.weights.address:
-            self.weights.close()
-            self.weights = WeightClient(address, context=self.context, curve=p.curve)
-            self.trainer_where = self.trainer_where.replace(f"tcp://{p.trainer_host}:{p.sync_port}", address)
+        if address == self.weights.address:
+            return
+        local = WeightClient(address, context=self.context, curve=p.curve)
+        answer = local.status(timeout_s=1.0)
+        if answer is None or answer.run_id != status.run_id:
+            local.close()
+            return
+        self.weights.close()
+        self.weights = local
+        self.trainer_where = self.trainer_where.replace(f"tcp://{p.trainer_host}:{p.sync_port}", address)
 
     def update_weights(self, status: TrainerStatus) -> float:
         start = time.perf_counter()
-        self._prefer_local_socket()
+        self._prefer_local_socket(status)
         got = self.weights.fetch(timeout_s=120.0)
         if got is None:
             return 0.0  # the trainer went away or pruned it: the next status says what now

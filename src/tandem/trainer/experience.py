@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 STARVED_AFTER_S = 5.0  # waiting this long for groups makes samplers at their quota produce more
 SYNC_STATE_FILE = "sync_state.json"
+FINISH_LINGER_S = 60.0  # a finished trainer waits at most this long for samplers to hear it
 
 
 class LocalExperience:
@@ -222,8 +223,12 @@ class RemoteExperience:
 
     def close(self, *, finished: bool) -> None:
         if finished:
+            # stay up until every sampler seen lately has heard it (one busy generating asks
+            # between batches), so a standalone `tandem sample` ends instead of waiting for us
             self.publisher.set_status(finished=True)
-            time.sleep(1.0)  # let samplers waiting on the status hear it before the socket goes
+            deadline = time.monotonic() + FINISH_LINGER_S
+            while self.publisher.untold() and time.monotonic() < deadline:
+                time.sleep(0.1)
         self.publisher.close()
         self.receiver.close()
         if self.auth is not None:

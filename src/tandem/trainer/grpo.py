@@ -153,10 +153,14 @@ def train_grpo(cfg: Config) -> Path:
     finally:
         bar.close()
         logger.close()
-        experience.close(finished=step >= tc.max_steps)
-    if last_saved != step:
-        save(checkpoints_dir, step, policy, optimizer, scheduler, generator, tokenizer, experience, tc)
-    return export_final(policy, tokenizer, run_dir / "final")
+        if step < tc.max_steps:  # interrupted or failed: samplers will see a restarted trainer
+            experience.close(finished=False)
+    try:
+        if last_saved != step:
+            save(checkpoints_dir, step, policy, optimizer, scheduler, generator, tokenizer, experience, tc)
+        return export_final(policy, tokenizer, run_dir / "final")
+    finally:
+        experience.close(finished=True)  # samplers stop once the final model is safe
 
 
 PER_BATCH_TIMES = {"time_generate", "time_reference", "time_reward", "wait_seconds"}

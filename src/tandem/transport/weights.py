@@ -251,6 +251,9 @@ class WeightServer:
         self._status = TrainerStatus(version=-1, run_id=run_id)
         self._stop = False
         self._in_flight: list[tuple[int, zmq.MessageTracker]] = []  # (buffer address, tracker)
+        self._seen: dict[bytes, float] = {}  # sampler identity -> when it last asked something
+        self._told_finished: set[bytes] = set()
+        self._last_probe = 0.0
         self.dropped: Counter[str] = Counter()
         self.served: Counter[str] = Counter()
         self._thread = threading.Thread(target=self._serve, name="tandem-weight-server", daemon=True)
@@ -269,6 +272,14 @@ class WeightServer:
             self._in_flight = [(ptr, t) for ptr, t in self._in_flight if not t.done]
             published = self._snapshot is not None and self._snapshot.flat.data_ptr() == flat.data_ptr()
             return published or any(ptr == flat.data_ptr() for ptr, _ in self._in_flight)
+
+    def untold(self, window_s: float = 120.0) -> int:
+        """Samplers heard from in the last `window_s` that have not yet been told the run finished."""
+        with self._lock:
+            now = time.monotonic()
+            return sum(
+                1 for who, t in self._seen.items() if now - t < window_s and who not in self._told_finished
+            )
 
     def set_status(self, *, starved: bool | None = None, finished: bool | None = None) -> None:
         with self._lock:
@@ -329,6 +340,8 @@ class WeightServer:
             self.dropped[err.reason] += 1
             log.warning("weight server dropped a request (%d so far): %s", sum(self.dropped.values()), err)
             return None
+        with self._lock:
+            self._seen[identity] = time.monotonic()
         return identity, kind, payload
 
     def _handle(self, identity: bytes, kind: str, payload: dict) -> list:
@@ -349,9 +362,24 @@ class WeightServer:
         self._reply(identity, request, status)
         return []
 
+    def _forget_departed(self, status: TrainerStatus) -> None:
+        """Once finished, drop samplers that have gone away from `_seen`: a reply to a departed
+        peer is unroutable (ROUTER_MANDATORY). Live ones ignore it (no request of theirs)."""
+        now = time.monotonic()
+        if not status.finished or now - self._last_probe < 1.0:
+            return
+        self._last_probe = now
+        with self._lock:
+            untold = [who for who in self._seen if who not in self._told_finished]
+        for who in untold:
+            if not self._send(who, encode_control("status", {"request": "", **status_payload(status)})):
+                with self._lock:
+                    self._seen.pop(who, None)
+
     def _answer_waiters(self, waiters: list) -> list:
         with self._lock:
             status = self._status
+        self._forget_departed(status)
         now, still = time.monotonic(), []
         for identity, request, newer_than, run_id, deadline in waiters:
             if now >= deadline or _is_news(status, newer_than, run_id):
@@ -372,7 +400,12 @@ class WeightServer:
             return False
 
     def _reply(self, identity: bytes, request: str, status: TrainerStatus) -> None:
-        self._send(identity, encode_control("status", {"request": request, **status_payload(status)}))
+        if status.finished:  # marked before sending: the sampler may act on it at once
+            with self._lock:
+                self._told_finished.add(identity)
+        if not self._send(identity, encode_control("status", {"request": request, **status_payload(status)})):
+            with self._lock:
+                self._told_finished.discard(identity)
         self.served["status"] += 1
 
     def _send_snapshot(self, identity: bytes, request: str, snapshot: Snapshot) -> None:
@@ -589,6 +622,9 @@ class FsWeightWriter:
 
     def busy(self, flat: torch.Tensor) -> bool:
         return False  # published versions are files: the buffer is free once publish returns
+
+    def untold(self, window_s: float = 120.0) -> int:
+        return 0  # status.json stays behind: a sampler reads "finished" whenever it looks
 
     def set_status(self, *, starved: bool | None = None, finished: bool | None = None) -> None:
         old = self._status
