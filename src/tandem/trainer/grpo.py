@@ -1,6 +1,8 @@
-"""The colocated GRPO loop: sample groups, score them, update the policy, repeat (one process).
+"""The GRPO training loop: take groups, update the policy, publish weights, repeat.
 
-Run it with `tandem grpo configs/grpo_tiny.yaml [key=value ...]`. Each batch of prompts_per_step
+Groups come from `trainer/experience.py`: generated in this process (`pipeline.mode: colocated`)
+or received from sampler processes (`decoupled`, run by `tandem train`; `tandem grpo` starts both
+sides). Each batch of prompts_per_step
 prompts gives prompts_per_step x num_generations completions; they are split into optimizer
 batches of micro_batch_size x gradient_accumulation_steps sequences, num_iterations times.
 """
