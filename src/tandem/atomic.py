@@ -31,19 +31,29 @@ def fsync_tree(root: Path) -> None:
 
 def atomic_dir(final: Path, write: Callable[[Path], None]) -> Path:
     """Call write(tmp_dir), fsync everything, then rename tmp_dir to `final` in one step."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    tmp = temporary_dir(final)
     try:
         write(tmp)
-        fsync_tree(tmp)
-        if final.exists():  # re-saving the same name (e.g. a step after a resume): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
+        commit_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def temporary_dir(final: Path) -> Path:
+    """A fresh `.tmp-<name>-*` folder beside `final` (readers ignore such names)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+
+
+def commit_dir(tmp: Path, final: Path) -> None:
+    """fsync everything in tmp, then rename it to `final` in one step."""
+    fsync_tree(tmp)
+    if final.exists():  # re-saving the same name (e.g. a step after a resume): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
 
 
 def atomic_write_text(path: Path, text: str, *, fsync: bool = True) -> None:

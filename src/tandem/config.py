@@ -32,7 +32,9 @@ LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 LR_SCHEDULERS = ("constant", "cosine", "linear")
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 REPORTERS = ("tensorboard", "wandb")
-DISTRIBUTED_STRATEGIES = ("none",)  # ddp | deepspeed | auto join when distributed/ lands
+DISTRIBUTED_STRATEGIES = ("none", "ddp", "deepspeed", "auto")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
 PIPELINE_MODES = ("decoupled", "colocated")
 SYNC_METHODS = ("zmq", "fs")
 
@@ -132,7 +134,14 @@ class TrainingConfig:
     resume_from_checkpoint: str | None = None  # "latest" | path to checkpoints/step-N
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     num_threads: int = 0  # torch CPU threads, 0 = torch default
-    distributed_strategy: str = "none"  # none for now (ddp | deepspeed | auto later)
+    # none: one process | ddp | deepspeed (ZeRO) | auto: < 1B parameters ddp, 1-7B ZeRO-2, > 7B ZeRO-3
+    distributed_strategy: str = "none"
+    zero_stage: int = 2  # deepspeed: 1 (optimizer states) | 2 (+ gradients) | 3 (+ parameters) sharded
+    offload_optimizer: str = "none"  # deepspeed: none | cpu | nvme (optimizer states off the GPU)
+    offload_param: str = "none"  # deepspeed ZeRO-3: none | cpu | nvme (parameters off the GPU)
+    nvme_path: str | None = None  # folder for nvme offload
+    deepspeed_config: str | None = None  # a DeepSpeed JSON ("auto" values are filled from this config)
+    dist_backend: str = "auto"  # auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
 
 
 @dataclass
@@ -377,6 +386,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "training.lr_scheduler": LR_SCHEDULERS,
     "training.mixed_precision": MIXED_PRECISIONS,
     "training.distributed_strategy": DISTRIBUTED_STRATEGIES,
+    "training.offload_optimizer": OFFLOAD_DEVICES,
+    "training.offload_param": OFFLOAD_DEVICES,
+    "training.dist_backend": DIST_BACKENDS,
     "pipeline.mode": PIPELINE_MODES,
     "pipeline.sync_method": SYNC_METHODS,
 }
@@ -420,6 +432,7 @@ _BOUNDS: list[tuple[str, Callable[[Any], bool], str]] = [
     ("training.logging_steps", lambda v: v >= 1, ">= 1"),
     ("training.sample_log_steps", lambda v: v >= 0, ">= 0 (0 = never)"),
     ("training.num_threads", lambda v: v >= 0, ">= 0 (0 = torch default)"),
+    ("training.zero_stage", lambda v: v in (1, 2, 3), "1, 2 or 3"),
     ("sampling.num_threads", lambda v: v >= 0, ">= 0 (0 = share the cores with the trainer)"),
     ("pipeline.num_samplers", lambda v: v >= 1, ">= 1"),
     ("pipeline.data_port", lambda v: 0 < v < 65536, "a TCP port in 1..65535"),
@@ -466,8 +479,32 @@ def validate(cfg: Config) -> None:
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.training.device):
         raise ConfigError(f"`training.device` is {cfg.training.device!r}; use auto, cpu, cuda or cuda:N")
     _validate_rewards(cfg.rewards)
-    _validate_batch(cfg)
+    _validate_distributed(cfg.training)
+    validate_batch(cfg)
     _validate_pipeline(cfg.pipeline)
+
+
+def _validate_distributed(tc: TrainingConfig) -> None:
+    deepspeed_only = {
+        "zero_stage": tc.zero_stage != 2,
+        "offload_optimizer": tc.offload_optimizer != "none",
+        "offload_param": tc.offload_param != "none",
+        "deepspeed_config": tc.deepspeed_config is not None,
+    }
+    if tc.distributed_strategy in ("none", "ddp"):
+        for key, is_set in deepspeed_only.items():
+            if is_set:
+                raise ConfigError(
+                    f"`training.{key}` is set but `training.distributed_strategy` is "
+                    f"{tc.distributed_strategy!r}; it applies to DeepSpeed: set training.distributed_strategy=deepspeed"
+                )
+    if tc.offload_param != "none" and tc.zero_stage != 3 and tc.distributed_strategy == "deepspeed":
+        raise ConfigError(
+            f"`training.offload_param` is {tc.offload_param!r} with training.zero_stage={tc.zero_stage}; "
+            "parameters are sharded (and offloaded) only by ZeRO-3: set training.zero_stage=3"
+        )
+    if "nvme" in (tc.offload_optimizer, tc.offload_param) and not tc.nvme_path:
+        raise ConfigError("`training.nvme_path` is unset; NVMe offload needs a folder on a fast local disk")
 
 
 def _validate_pipeline(p: PipelineConfig) -> None:
@@ -514,21 +551,29 @@ def _validate_rewards(rewards: list[RewardSpec]) -> None:
         seen.add(spec.resolved_name)
 
 
-def _validate_batch(cfg: Config) -> None:
+def validate_batch(cfg: Config, world_size: int = 1) -> None:
+    """One optimizer step consumes micro_batch_size x gradient_accumulation_steps x world_size
+    sequences (DeepSpeed's train_batch_size); that must divide what one step samples."""
     prompts, group = cfg.grpo.prompts_per_step, cfg.sampling.num_generations
     micro, accum = cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps
     num_sequences = prompts * group
-    if num_sequences % (micro * accum) == 0:
+    per_rank, rem = divmod(num_sequences, world_size)
+    if rem == 0 and per_rank % (micro * accum) == 0:
         return
-    fits = [a for a in range(1, num_sequences // micro + 1) if num_sequences % (micro * a) == 0]
+    ranks = f" x {world_size} ranks" if world_size > 1 else ""
+    fits = [a for a in range(1, per_rank // micro + 1) if rem == 0 and per_rank % (micro * a) == 0]
     if fits:
         fix = f"set training.gradient_accumulation_steps to one of {fits}"
+    elif rem == 0:
+        divisors = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        fix = (
+            f"set training.micro_batch_size to a divisor of {per_rank} ({divisors}), then adjust accumulation"
+        )
     else:
-        divisors = [m for m in range(1, num_sequences + 1) if num_sequences % m == 0]
-        fix = f"set training.micro_batch_size to a divisor of {num_sequences} ({divisors}), then adjust accumulation"
+        fix = f"make grpo.prompts_per_step * sampling.num_generations a multiple of the {world_size} ranks"
     raise ConfigError(
         f"`training.gradient_accumulation_steps`: one step samples grpo.prompts_per_step * "
         f"sampling.num_generations = {prompts} * {group} = {num_sequences} sequences, but one optimizer step "
-        f"consumes training.micro_batch_size * training.gradient_accumulation_steps = {micro} * {accum} = "
-        f"{micro * accum}, which does not divide {num_sequences}; {fix}"
+        f"consumes training.micro_batch_size * training.gradient_accumulation_steps{ranks} = "
+        f"{micro} * {accum}{ranks} = {micro * accum * world_size}, which does not divide {num_sequences}; {fix}"
     )

@@ -10,11 +10,13 @@ from transformers import AutoTokenizer
 
 from tandem.config import RewardSpec, load_config
 from tandem.data.gsm8k import load_examples
+from tandem.distributed.engine import TorchEngine
+from tandem.distributed.env import DistEnv
 from tandem.models.loading import check_same_tokenizer
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.rollout import Rollout
 from tandem.trainer.batching import flatten_groups
-from tandem.trainer.grpo import optimizer_step
+from tandem.trainer.grpo import Share, optimizer_step
 from tandem.trainer.optim import build_scheduler
 
 
@@ -56,16 +58,10 @@ def test_micro_batch_1_x_accumulation_8_equals_8_x_1(tiny_model, tiny_model_dir,
         model = copy.deepcopy(tiny_model).train()
         # plain SGD with lr 1: the parameter change is the gradient itself (Adam's first step
         # would blow fp32 rounding of near-zero gradients up to +-lr)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        stats = optimizer_step(
-            model,
-            optimizer,
-            build_scheduler(optimizer, cfg.training),
-            None,
-            samples,
-            cfg,
-            torch.device("cpu"),
-        )
+        engine = TorchEngine(model, cfg.training, DistEnv(), torch.device("cpu"))
+        engine.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        engine.scheduler = build_scheduler(engine.optimizer, cfg.training)
+        stats = optimizer_step(engine, Share.local(samples, cfg), cfg, torch.device("cpu"))
         results.append((stats, {k: v.detach().clone() for k, v in model.state_dict().items()}))
 
     (ref_stats, ref_params), others = results[0], results[1:]

@@ -11,6 +11,9 @@ import textwrap
 import pytest
 import torch
 
+from tandem.config import TrainingConfig
+from tandem.distributed.engine import TorchEngine
+from tandem.distributed.env import DistEnv
 from tandem.trainer import checkpoint as ckpt
 
 
@@ -27,14 +30,12 @@ class _Model(torch.nn.Module):
 
 
 def _save(tmp_path, step, model):
-    optimizer = torch.optim.AdamW(model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    engine = TorchEngine(model, TrainingConfig(), DistEnv(), torch.device("cpu"))
     return ckpt.save_checkpoint(
         tmp_path,
         step,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
+        engine=engine,
+        env=DistEnv(),
         trainer_state={"data": {"epoch": 0, "index": step}},
     )
 

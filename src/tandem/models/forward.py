@@ -116,3 +116,15 @@ def packed_logprobs(
     starts = torch.cumsum(lengths_t, 0) - lengths_t
     cols = torch.arange(rows.numel(), device=out.device) - starts[rows]
     return out.index_put((rows, cols), token_logprobs)
+
+
+class PackedLogprobsModule(torch.nn.Module):
+    """A causal LM whose forward is `packed_logprobs`: the module DDP and DeepSpeed wrap, so that
+    their forward hooks (DDP's reducer, ZeRO-3's parameter gathering) see every training forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, packed: PackedRows, temperature: float = 1.0) -> torch.Tensor:
+        return packed_logprobs(self.model, packed, temperature=temperature)

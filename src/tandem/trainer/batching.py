@@ -116,3 +116,72 @@ def loss_normalizer(samples: list[Sample], loss_agg: str) -> float:
     if loss_agg == "token-mean":
         return float(sum(len(s.completion_ids) for s in samples))
     return float(len(samples))
+
+
+def split_across_ranks(samples: list[Sample], world_size: int) -> list[list[Sample]]:
+    """Whole groups to ranks, balancing tokens: the largest group goes to the lightest rank
+    next (longest-processing-time first). A rank's samples keep their original order."""
+    if world_size == 1:
+        return [samples]
+    by_group: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_group.setdefault(s.group_index, []).append(s)
+
+    def tokens(group: list[Sample]) -> int:
+        return len(group[0].prompt_ids) + sum(len(s.completion_ids) for s in group)
+
+    loads, owner = [0] * world_size, {}
+    for index, group in sorted(by_group.items(), key=lambda kv: (-tokens(kv[1]), kv[0])):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[rank] += tokens(group)
+        owner[index] = rank
+    shares: list[list[Sample]] = [[] for _ in range(world_size)]
+    for s in samples:
+        shares[owner[s.group_index]].append(s)
+    return shares
+
+
+def samples_to_tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """Flat named tensors (no pickling) for sending a rank its share; inverse of samples_from_tensors."""
+
+    def ints(values) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int64)
+
+    def floats(rows) -> torch.Tensor:
+        rows = [r.reshape(-1).float() for r in rows]
+        return torch.cat(rows) if rows else torch.zeros(0)
+
+    has_ref = bool(samples) and all(s.ref_logprobs is not None for s in samples)
+    return {
+        "prompt_lengths": ints(len(s.prompt_ids) for s in samples),
+        "completion_lengths": ints(len(s.completion_ids) for s in samples),
+        "prompt_ids": ints(t for s in samples for t in s.prompt_ids),
+        "completion_ids": ints(t for s in samples for t in s.completion_ids),
+        "sampler_logprobs": floats(s.sampler_logprobs for s in samples),
+        "ref_logprobs": floats(s.ref_logprobs for s in samples) if has_ref else torch.zeros(0),
+        "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        "policy_versions": ints(s.policy_version for s in samples),
+        "group_indices": ints(s.group_index for s in samples),
+        "has_ref": ints([int(has_ref)]),
+    }
+
+
+def samples_from_tensors(t: dict[str, torch.Tensor]) -> list[Sample]:
+    prompt_lengths, completion_lengths = t["prompt_lengths"].tolist(), t["completion_lengths"].tolist()
+    prompt_ids, completion_ids = t["prompt_ids"].tolist(), t["completion_ids"].tolist()
+    has_ref = bool(t["has_ref"][0])
+    samples, p, c = [], 0, 0
+    for i, (n_prompt, n_completion) in enumerate(zip(prompt_lengths, completion_lengths)):
+        samples.append(
+            Sample(
+                prompt_ids[p : p + n_prompt],
+                completion_ids[c : c + n_completion],
+                t["sampler_logprobs"][c : c + n_completion].clone(),
+                t["ref_logprobs"][c : c + n_completion].clone() if has_ref else None,
+                float(t["advantages"][i]),
+                int(t["policy_versions"][i]),
+                int(t["group_indices"][i]),
+            )
+        )
+        p, c = p + n_prompt, c + n_completion
+    return samples

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.atomic import atomic_dir
+from tandem.atomic import atomic_dir, commit_dir, temporary_dir  # noqa: F401 - atomic_dir re-exported
+from tandem.distributed.env import DistEnv, barrier, broadcast_json
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -33,27 +34,46 @@ def save_checkpoint(
     checkpoints_dir: Path,
     step: int,
     *,
-    model,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
+    engine,
+    env: DistEnv,
     trainer_state: dict,
     generator: torch.Generator | None = None,
     tokenizer=None,
 ) -> Path:
-    def write(tmp: Path) -> None:
-        model.save_pretrained(tmp / "model", safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / "model")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    """Every rank calls this. The engine writes its state in its own format (optimizer.pt and
+    scheduler.pt, or DeepSpeed's shards under deepspeed/), rank 0 writes the full model as an HF
+    folder (gathered under ZeRO-3), each rank its RNG states; rank 0 renames the folder into
+    place only after every rank has finished writing."""
+    final = checkpoints_dir / f"step-{step}"
+    tmp = Path(broadcast_json(env, str(temporary_dir(final)) if env.is_main else None))
+    try:
+        engine.save(tmp)
+        with engine.gathered():
+            if env.is_main:
+                engine.module.save_pretrained(tmp / "model", safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp / "model")
         rng = {"torch": torch.get_rng_state()}
         if generator is not None:
             rng["generator"] = generator.get_state()
-        torch.save(rng, tmp / "rng.pt")
-        state = {**trainer_state, "step": step, "python_rng": python_rng_state()}
-        (tmp / STATE_FILE).write_text(json.dumps(state))
-
-    return atomic_dir(checkpoints_dir / f"step-{step}", write)
+        torch.save(rng, tmp / f"rng-{env.rank}.pt")
+        barrier(env)
+        if env.is_main:
+            state = {
+                **trainer_state,
+                "step": step,
+                "world_size": env.world_size,
+                "format": engine.format,
+                "python_rng": python_rng_state(),
+            }
+            (tmp / STATE_FILE).write_text(json.dumps(state))
+            commit_dir(tmp, final)
+    except BaseException:
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    barrier(env)
+    return final
 
 
 def list_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
@@ -84,30 +104,39 @@ def resolve_resume(spec: str | None, checkpoints_dir: Path) -> Path | None:
     return path
 
 
-def load_checkpoint(
-    path: Path, *, model, optimizer, scheduler, generator: torch.Generator | None = None
-) -> dict:
-    """Restore everything save_checkpoint wrote; returns the trainer state dict."""
+def load_model_weights(folder: Path, model) -> None:
+    """The safetensors of an HF folder into `model` (tied weights are saved once)."""
     from safetensors.torch import load_file
 
     weights = {}
-    for file in sorted((path / "model").glob("*.safetensors")):
+    for file in sorted(folder.glob("*.safetensors")):
         weights.update(load_file(file))
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    # tied weights are saved once; anything else missing is a real mismatch
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(
-            f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            f"checkpoint {folder} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    rng = torch.load(path / "rng.pt", weights_only=True)
+
+
+def load_checkpoint(path: Path, *, engine, env: DistEnv, generator: torch.Generator | None = None) -> dict:
+    """Restore everything save_checkpoint wrote (every rank calls this); returns the trainer state.
+
+    A PyTorch-format checkpoint resumes under `none` or `ddp` at any world size; a DeepSpeed one
+    under DeepSpeed (its own rules on changing the world size apply). A rank without its own RNG
+    file (more ranks than when saved) continues from rank 0's."""
+    state = json.loads((path / STATE_FILE).read_text())
+    if engine.format == "torch":
+        load_model_weights(path / "model", engine.module)
+    engine.load(path)
+    rng_file = path / f"rng-{env.rank}.pt"
+    if not rng_file.is_file():
+        rng_file = path / "rng-0.pt"
+    rng = torch.load(rng_file, weights_only=True)
     torch.set_rng_state(rng["torch"])
     if generator is not None and "generator" in rng:
         generator.set_state(rng["generator"])
-    state = json.loads((path / STATE_FILE).read_text())
     set_python_rng_state(state.pop("python_rng"))
     return state
 

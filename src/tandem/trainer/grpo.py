@@ -12,24 +12,42 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from tandem.algorithms.grpo import grpo_loss
-from tandem.config import Config, config_to_dict, dump_config
-from tandem.models.forward import packed_logprobs
+from tandem.config import Config, ConfigError, config_to_dict, dump_config, validate_batch
+from tandem.distributed.engine import build_engine
+from tandem.distributed.env import (
+    DistEnv,
+    all_reduce_sum,
+    barrier,
+    broadcast_json,
+    init_distributed,
+    main_first,
+    scatter_tensor_dicts,
+    shutdown,
+)
 from tandem.models.loading import load_causal_lm, load_tokenizer
 from tandem.sampler.rollout import build_rollout, model_kwargs, prompt_stream
 from tandem.trainer import checkpoint as ckpt
-from tandem.trainer.batching import collate, flatten_groups, loss_normalizer, split_micro_batches
+from tandem.trainer.batching import (
+    Sample,
+    collate,
+    flatten_groups,
+    loss_normalizer,
+    samples_from_tensors,
+    samples_to_tensors,
+    split_across_ranks,
+    split_micro_batches,
+)
 from tandem.trainer.experience import LocalExperience, RemoteExperience
 from tandem.trainer.metrics import MetricsLogger, write_samples
-from tandem.trainer.optim import build_optimizer, build_scheduler
 from tandem.trainer.runtime import (
     autocast,
-    grad_scaler,
     peak_rss_gb,
     resolve_device,
     set_seed,
@@ -39,86 +57,151 @@ from tandem.trainer.runtime import (
 from tandem.types import Group
 
 log = logging.getLogger(__name__)
+LOCAL = DistEnv()
+
+
+@dataclass
+class Share:
+    """One rank's part of an optimizer batch (see scatter_share)."""
+
+    samples: list[Sample]
+    normalizer: float  # the whole batch's count the loss divides by (DESIGN.md section 6)
+    num_micro: int  # micro-batches every rank runs this step
+    padding: bool  # the samples only stand in (weight 0): this rank got no groups
+    num_global: int  # sequences in the whole batch
+
+    @classmethod
+    def local(cls, samples: list[Sample], cfg: Config) -> Share:
+        """The whole batch on one process (no process group)."""
+        return scatter_share(LOCAL, samples, cfg)
 
 
 def train_grpo(cfg: Config) -> Path:
     """Train, checkpoint and export; returns the folder of the final HF model.
 
     `pipeline.mode: colocated` generates in this process; `decoupled` makes this process the
-    trainer of the sampler/trainer pipeline (groups from `tandem sample` processes).
+    trainer of the sampler/trainer pipeline (groups from `tandem sample` processes). Under
+    torchrun / the deepspeed launcher every rank runs this; rank 0 alone takes groups in,
+    splits each optimizer batch across the ranks, logs, saves and publishes weights.
     """
     set_seed(cfg.seed)
     set_threads(cfg.training.num_threads)
     tune_allocator()
     device = resolve_device(cfg.training.device)
+    env = init_distributed(cfg.training.distributed_strategy, device.type, cfg.training.dist_backend)
+    if device.type == "cuda" and env.active:
+        device = torch.device("cuda", env.local_rank)
+    try:
+        validate_batch(cfg, env.world_size)
+        return _train(cfg, env, device)
+    finally:
+        shutdown(env)
+
+
+def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     run_dir, tc = cfg.run_dir, cfg.training
     checkpoints_dir = run_dir / "checkpoints"
-    resume_path = ckpt.resolve_resume(tc.resume_from_checkpoint, checkpoints_dir)
-    if resume_path is None and (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(
-            f"{run_dir} already holds a run: set training.resume_from_checkpoint=latest to continue it, "
-            "or choose another experiment_name"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, run_dir / "config.yaml")
+    start = None
+    if env.is_main:
+        resume_path = ckpt.resolve_resume(tc.resume_from_checkpoint, checkpoints_dir)
+        if resume_path is None and (run_dir / "metrics.jsonl").exists():
+            start = {
+                "error": f"{run_dir} already holds a run: set training.resume_from_checkpoint=latest to "
+                "continue it, or choose another experiment_name"
+            }
+        else:
+            start = {"resume": str(resume_path) if resume_path else None}
+            run_dir.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, run_dir / "config.yaml")
+    start = broadcast_json(env, start)
+    if "error" in start:
+        raise FileExistsError(start["error"])
+    resume_path = Path(start["resume"]) if start["resume"] else None
 
-    tokenizer = load_tokenizer(
-        cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code
-    )
-    policy = load_causal_lm(cfg.model.policy, dtype=cfg.model.dtype, **model_kwargs(cfg, device))
-    if tc.gradient_checkpointing:
-        enable = (
-            getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
+    with main_first(env):  # rank 0 converts and caches the embedded model once
+        tokenizer = load_tokenizer(
+            cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code
         )
-        enable()
+        policy = load_causal_lm(cfg.model.policy, dtype=cfg.model.dtype, **model_kwargs(cfg, device))
+    if tc.gradient_checkpointing:
+        enable = getattr(policy, "activation_checkpointing_enable", None)
+        if enable is None:  # non-reentrant: DDP and ZeRO hooks see each parameter once
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            enable()
     policy.config.use_cache = False
-    optimizer = build_optimizer(policy, tc)
-    scheduler = build_scheduler(optimizer, tc)
-    scaler = grad_scaler(device, tc.mixed_precision)
+    engine = build_engine(policy, tc, env, device)
     generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
 
     step = 0
     state = None
     if resume_path is not None:
-        state = ckpt.load_checkpoint(
-            resume_path, model=policy, optimizer=optimizer, scheduler=scheduler, generator=generator
-        )
+        state = ckpt.load_checkpoint(resume_path, engine=engine, env=env, generator=generator)
         step = state["step"]
-        log.info("resumed from %s at step %d", resume_path, step)
-    if cfg.pipeline.mode == "colocated":
-        experience = local_experience(cfg, policy, tokenizer, generator, device)
+        if env.is_main:
+            log.info("resumed from %s at step %d", resume_path, step)
+    experience = None
+    if env.is_main:
+        if cfg.pipeline.mode == "colocated":
+            if getattr(engine, "stage", 0) == 3:
+                raise ConfigError(
+                    "`pipeline.mode` is colocated but ZeRO-3 shards the policy across ranks, so rank 0 "
+                    "cannot generate with it; use pipeline.mode=decoupled (or training.zero_stage=2)"
+                )
+            experience = local_experience(cfg, engine.module, tokenizer, generator, device)
+        else:
+            with engine.gathered():
+                experience = RemoteExperience(cfg, run_dir, engine.module)
+        if state is not None:
+            experience.load_state_dict(state["experience"])
     else:
-        experience = RemoteExperience(cfg, run_dir, policy)
-    if state is not None:
-        experience.load_state_dict(state["experience"])
+        with engine.gathered():  # RemoteExperience publishes the initial weights: ranks gather with it
+            pass
 
-    logger = MetricsLogger(run_dir, tc.report_to, resume_step=step, config=config_to_dict(cfg))
-    bar = tqdm(total=tc.max_steps, initial=step, desc="grpo", dynamic_ncols=True)
+    logger = (
+        MetricsLogger(run_dir, tc.report_to, resume_step=step, config=config_to_dict(cfg))
+        if env.is_main
+        else None
+    )
+    bar = tqdm(total=tc.max_steps, initial=step, desc="grpo", dynamic_ncols=True, disable=not env.is_main)
     last_saved = step
     try:
         while step < tc.max_steps:
             row_start = time.perf_counter()
-            groups, batch_stats = experience.next_groups(cfg.grpo.prompts_per_step)
-            batch_stats = {**summarize_groups(groups), **batch_stats}
-            samples = flatten_groups(
-                groups,
-                scale_rewards=cfg.grpo.scale_rewards,
-                adv_eps=cfg.grpo.adv_eps,
-                skip_zero_variance=cfg.grpo.skip_zero_variance_groups,
-            )
-            batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps
+            samples, groups, batch_stats = [], [], {}
+            if env.is_main:
+                groups, batch_stats = experience.next_groups(cfg.grpo.prompts_per_step)
+                batch_stats = {**summarize_groups(groups), **batch_stats}
+                samples = flatten_groups(
+                    groups,
+                    scale_rewards=cfg.grpo.scale_rewards,
+                    adv_eps=cfg.grpo.adv_eps,
+                    skip_zero_variance=cfg.grpo.skip_zero_variance_groups,
+                )
+            # every rank walks the same optimizer batches: rank 0 says how many sequences there are
+            num_samples = broadcast_json(env, len(samples) if env.is_main else None)
+            batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
             for _ in range(cfg.grpo.num_iterations):
-                for first in range(0, max(len(samples), 1), batch_size):
+                for first in range(0, max(num_samples, 1), batch_size):
                     if step >= tc.max_steps:
                         break
-                    opt_samples = samples[first : first + batch_size]
-                    # versions between the weights that sampled this batch and the ones updated now
-                    staleness = statistics.fmean(experience.version - g.policy_version for g in groups)
-                    train_stats = optimizer_step(
-                        policy, optimizer, scheduler, scaler, opt_samples, cfg, device
+                    share = (
+                        scatter_share(env, samples[first : first + batch_size], cfg) if env.is_main else None
                     )
+                    if not env.is_main:
+                        share = scatter_share(env, None, cfg)
+                    train_stats = optimizer_step(engine, share, cfg, device, env)
                     step += 1
-                    sync_stats = experience.on_step(policy, step)
+                    sync_stats = {}
+                    with engine.gathered():
+                        if env.is_main:
+                            # versions between the weights that sampled this batch and the ones updated now
+                            staleness = statistics.fmean(
+                                experience.version - g.policy_version for g in groups
+                            )
+                            sync_stats = experience.on_step(engine.module, step)
+                    if not env.is_main:
+                        continue
                     now = time.perf_counter()
                     row = {
                         "step": step,
@@ -130,6 +213,8 @@ def train_grpo(cfg: Config) -> Path:
                         "step_seconds": now - row_start,
                         "peak_rss_gb": peak_rss_gb(),
                     }
+                    if env.world_size > 1:
+                        row["world_size"] = env.world_size
                     # a batch's generation and waiting are counted once, in its first step's row
                     batch_stats = {**batch_stats, **dict.fromkeys(PER_BATCH_TIMES & batch_stats.keys(), 0.0)}
                     row_start = now
@@ -143,26 +228,30 @@ def train_grpo(cfg: Config) -> Path:
                         kl=f"{row['kl']:.4f}",
                         s=f"{row['step_seconds']:.1f}",
                     )
-            if tc.sample_log_steps and (
-                step // tc.sample_log_steps > (step - 1) // tc.sample_log_steps or step == 1
+            if (
+                env.is_main
+                and tc.sample_log_steps
+                and (step // tc.sample_log_steps > (step - 1) // tc.sample_log_steps or step == 1)
             ):
                 write_samples(run_dir, step, sample_rows(groups, cfg.data.prefill))
             if tc.save_steps and step // tc.save_steps > last_saved // tc.save_steps:
-                save(
-                    checkpoints_dir, step, policy, optimizer, scheduler, generator, tokenizer, experience, tc
-                )
+                save(checkpoints_dir, step, engine, env, generator, tokenizer, experience, tc)
                 last_saved = step
     finally:
         bar.close()
-        logger.close()
-        if step < tc.max_steps:  # interrupted or failed: samplers will see a restarted trainer
+        if logger is not None:
+            logger.close()
+        if (
+            experience is not None and step < tc.max_steps
+        ):  # interrupted or failed: samplers will see a restarted trainer
             experience.close(finished=False)
     try:
         if last_saved != step:
-            save(checkpoints_dir, step, policy, optimizer, scheduler, generator, tokenizer, experience, tc)
-        return export_final(policy, tokenizer, run_dir / "final")
+            save(checkpoints_dir, step, engine, env, generator, tokenizer, experience, tc)
+        return export_final(engine, env, tokenizer, run_dir / "final")
     finally:
-        experience.close(finished=True)  # samplers stop once the final model is safe
+        if experience is not None:
+            experience.close(finished=True)  # samplers stop once the final model is safe
 
 
 PER_BATCH_TIMES = {"time_generate", "time_reference", "time_reward", "wait_seconds"}
@@ -173,13 +262,39 @@ def local_experience(cfg: Config, policy, tokenizer, generator, device) -> Local
     return LocalExperience(build_rollout(cfg, policy, tokenizer, generator, device), stream, policy)
 
 
-def optimizer_step(policy, optimizer, scheduler, scaler, samples, cfg: Config, device) -> dict:
-    """Gradient accumulation over micro-batches, global normalisation, clipping, one AdamW step."""
+def scatter_share(env: DistEnv, samples: list[Sample] | None, cfg: Config) -> Share:
+    """Rank 0 splits one optimizer batch into whole groups per rank (balancing tokens) and sends
+    each rank its samples, the batch's global loss normaliser and the micro-batch count every rank
+    must run; every rank returns its own Share."""
+    shares = None
+    if env.is_main:
+        assert samples is not None
+        parts = split_across_ranks(samples, env.world_size)
+        num_micro = max(len(split_micro_batches(p, cfg.training.micro_batch_size)) for p in parts)
+        normalizer = loss_normalizer(samples, cfg.grpo.loss_agg) if samples else 0.0
+        shares = []
+        for part in parts:
+            padding = not part and bool(samples)  # nothing for this rank: a zero-weighted stand-in
+            t = samples_to_tensors(samples[:1] if padding else part)
+            t["batch"] = torch.tensor(
+                [normalizer, num_micro, float(padding), len(samples)], dtype=torch.float32
+            )
+            shares.append(t)
+    t = scatter_tensor_dicts(env, shares)
+    normalizer, num_micro, padding, num_global = t.pop("batch").tolist()
+    return Share(samples_from_tensors(t), normalizer, int(num_micro), bool(padding), int(num_global))
+
+
+def optimizer_step(engine, share: Share, cfg: Config, device: torch.device, env: DistEnv = LOCAL) -> dict:
+    """Gradient accumulation over this rank's micro-batches, global normalisation, clipping, one step.
+
+    Every rank runs share.num_micro micro-batches (a short share repeats its last one with weight
+    0), so the collectives inside DDP's and ZeRO's backward (and ZeRO-3's forward) line up."""
     tc, gc = cfg.training, cfg.grpo
     stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_abs_dev": 0.0}
-    lr = scheduler.get_last_lr()[0]
-    if not samples:  # every group had zero reward variance and was skipped: nothing to learn from
-        scheduler.step()
+    lr = engine.lr()
+    if share.num_global == 0:  # every group had zero reward variance and was skipped: nothing to learn from
+        engine.skip_step()
         return {
             **stats,
             "grad_norm": 0.0,
@@ -189,53 +304,49 @@ def optimizer_step(policy, optimizer, scheduler, scaler, samples, cfg: Config, d
             "time_optimizer": 0.0,
         }
     t0 = time.perf_counter()
-    policy.train()
-    optimizer.zero_grad(set_to_none=True)
-    normalizer = loss_normalizer(samples, gc.loss_agg)
-    num_tokens = 0.0
-    for micro in split_micro_batches(samples, tc.micro_batch_size):
+    engine.model.train()
+    micro_batches = split_micro_batches(share.samples, tc.micro_batch_size)
+    weights = [0.0 if share.padding else 1.0] * len(micro_batches)
+    while len(micro_batches) < share.num_micro:
+        micro_batches.append(micro_batches[-1])
+        weights.append(0.0)
+    sums = [0.0] * 5  # loss, kl*n, clip*n, ratio_dev*n, n (token-weighted over real micro-batches)
+    for i, (micro, weight) in enumerate(zip(micro_batches, weights)):
         mb = collate(micro).to(device)
-        with autocast(device, tc.mixed_precision):
-            trainer_logprobs = packed_logprobs(policy, mb.packed, temperature=cfg.sampling.temperature)
-        loss, s = grpo_loss(
-            trainer_logprobs,
-            mb.sampler_logprobs,
-            mb.ref_logprobs,
-            mb.advantages,
-            mb.completion_mask,
-            clip_eps_low=gc.clip_eps_low,
-            clip_eps_high=gc.clip_eps_high,
-            kl_coef=gc.kl_coef,
-            loss_agg=gc.loss_agg,
-            normalizer=normalizer,
-            max_completion_length=cfg.sampling.max_new_tokens,
-        )
-        (scaler.scale(loss) if scaler else loss).backward()
-        stats["loss"] += float(loss.detach())
-        for key in ("kl", "clip_fraction", "ratio_abs_dev"):
-            stats[key] += s[key] * s["num_tokens"]
-        num_tokens += s["num_tokens"]
+        with engine.accumulate(last=i == len(micro_batches) - 1):
+            with autocast(device, tc.mixed_precision):
+                trainer_logprobs = engine.model(mb.packed, temperature=cfg.sampling.temperature)
+            loss, s = grpo_loss(
+                trainer_logprobs,
+                mb.sampler_logprobs,
+                mb.ref_logprobs,
+                mb.advantages,
+                mb.completion_mask,
+                clip_eps_low=gc.clip_eps_low,
+                clip_eps_high=gc.clip_eps_high,
+                kl_coef=gc.kl_coef,
+                loss_agg=gc.loss_agg,
+                normalizer=share.normalizer,
+                max_completion_length=cfg.sampling.max_new_tokens,
+            )
+            engine.backward(loss * weight)
+        if weight:
+            n = s["num_tokens"]
+            for k, value in enumerate(
+                (float(loss.detach()), s["kl"] * n, s["clip_fraction"] * n, s["ratio_abs_dev"] * n, n)
+            ):
+                sums[k] += value
     t1 = time.perf_counter()
-    if scaler:
-        scaler.unscale_(optimizer)
-    max_norm = tc.max_grad_norm if tc.max_grad_norm > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
-    if scaler:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    scheduler.step()
-    # free the gradients now rather than at the next zero_grad: generation of the next batch
-    # then runs without a model-sized buffer held (peak memory)
-    optimizer.zero_grad(set_to_none=True)
-    for key in ("kl", "clip_fraction", "ratio_abs_dev"):
-        stats[key] /= max(num_tokens, 1.0)
+    grad_norm = engine.step()
+    loss_sum, kl, clip, dev, num_tokens = all_reduce_sum(env, sums)
     return {
-        **stats,
+        "loss": loss_sum,
+        "kl": kl / max(num_tokens, 1.0),
+        "clip_fraction": clip / max(num_tokens, 1.0),
+        "ratio_abs_dev": dev / max(num_tokens, 1.0),
         "grad_norm": grad_norm,
         "lr": lr,
-        "num_train_sequences": len(samples),
+        "num_train_sequences": share.num_global,
         "time_train": t1 - t0,
         "time_optimizer": time.perf_counter() - t1,
     }
@@ -285,25 +396,30 @@ def sample_rows(groups: list[Group], prefill: str) -> list[dict]:
     ]
 
 
-def save(checkpoints_dir, step, policy, optimizer, scheduler, generator, tokenizer, experience, tc) -> None:
+def save(checkpoints_dir, step, engine, env, generator, tokenizer, experience, tc) -> None:
     ckpt.save_checkpoint(
         checkpoints_dir,
         step,
-        model=policy,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        trainer_state={"experience": experience.state_dict()},
+        engine=engine,
+        env=env,
+        trainer_state={"experience": experience.state_dict()} if env.is_main else {},
         generator=generator,
         tokenizer=tokenizer,
     )
-    ckpt.prune_checkpoints(checkpoints_dir, tc.save_total_limit)
+    if env.is_main:
+        ckpt.prune_checkpoints(checkpoints_dir, tc.save_total_limit)
 
 
-def export_final(policy, tokenizer, out: Path) -> Path:
-    """The trained policy as an HF folder that AutoModelForCausalLM.from_pretrained loads."""
+def export_final(engine, env: DistEnv, tokenizer, out: Path) -> Path:
+    """The trained policy as an HF folder that AutoModelForCausalLM.from_pretrained loads
+    (under ZeRO-3 every rank helps gather it; rank 0 writes it)."""
 
     def write(tmp: Path) -> None:
-        policy.save_pretrained(tmp, safe_serialization=True)
+        engine.module.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
 
-    return ckpt.atomic_dir(out, write)
+    with engine.gathered():
+        if env.is_main:
+            ckpt.atomic_dir(out, write)
+    barrier(env)
+    return out

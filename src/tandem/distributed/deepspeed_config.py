@@ -1,0 +1,106 @@
+"""The DeepSpeed JSON, generated from the YAML or read from a file and checked against it.
+
+A file may say "auto" for any value the YAML decides (batch sizes, accumulation, clipping,
+precision); tandem fills those in. An explicit value that disagrees with the YAML is an error
+naming both, never a DeepSpeed traceback later. Optimizer and scheduler are tandem's own
+(AdamW and the warmup + constant/linear/cosine schedule of `trainer/optim.py`, handed to
+DeepSpeed as client objects) unless the file has its own "optimizer"/"scheduler" section.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tandem.config import ConfigError, TrainingConfig
+
+
+def strategy_for(num_parameters: int, strategy: str, zero_stage: int) -> tuple[str, int]:
+    """`auto` follows the seeds' rule: < 1B parameters DDP, 1-7B ZeRO-2, > 7B ZeRO-3."""
+    if strategy != "auto":
+        return strategy, zero_stage
+    if num_parameters < 1e9:
+        return "ddp", zero_stage
+    return "deepspeed", 2 if num_parameters <= 7e9 else 3
+
+
+def generated(tc: TrainingConfig, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config this training config implies."""
+    zero: dict[str, Any] = {
+        "stage": tc.zero_stage,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e7,
+        "allgather_bucket_size": 5e7,
+    }
+    if tc.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    for key, where in (("offload_optimizer", tc.offload_optimizer), ("offload_param", tc.offload_param)):
+        if where != "none":
+            zero[key] = {"device": where, "pin_memory": where == "cpu"}
+            if where == "nvme":
+                zero[key]["nvme_path"] = tc.nvme_path
+    return {
+        "train_micro_batch_size_per_gpu": tc.micro_batch_size,
+        "gradient_accumulation_steps": tc.gradient_accumulation_steps,
+        "train_batch_size": tc.micro_batch_size * tc.gradient_accumulation_steps * world_size,
+        "gradient_clipping": tc.max_grad_norm,
+        "bf16": {"enabled": tc.mixed_precision == "bf16"},
+        "fp16": {"enabled": tc.mixed_precision == "fp16", "initial_scale_power": 16},
+        "zero_optimization": zero,
+        # tandem's AdamW is a torch optimizer; let ZeRO (and its CPU offload) take it
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def resolve(tc: TrainingConfig, world_size: int) -> dict[str, Any]:
+    """The generated config, or the user's file with "auto" filled and every explicit value checked."""
+    ours = generated(tc, world_size)
+    if tc.deepspeed_config is None:
+        return ours
+    path = Path(tc.deepspeed_config)
+    try:
+        theirs = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"`training.deepspeed_config`: no file {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"`training.deepspeed_config`: {path} is not valid JSON ({e})") from None
+    return _merge(theirs, ours, path)
+
+
+# (DeepSpeed key path, the tandem key that decides it)
+_CHECKED = [
+    (("train_micro_batch_size_per_gpu",), "training.micro_batch_size"),
+    (("gradient_accumulation_steps",), "training.gradient_accumulation_steps"),
+    (("train_batch_size",), "training.micro_batch_size x gradient_accumulation_steps x ranks"),
+    (("gradient_clipping",), "training.max_grad_norm"),
+    (("bf16", "enabled"), "training.mixed_precision"),
+    (("fp16", "enabled"), "training.mixed_precision"),
+    (("zero_optimization", "stage"), "training.zero_stage"),
+]
+
+
+def _merge(theirs: dict, ours: dict, path: Path) -> dict:
+    merged = json.loads(json.dumps(theirs))
+    for keys, tandem_key in _CHECKED:
+        want = ours
+        for k in keys:
+            want = want[k]
+        node = merged
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        have = node.get(keys[-1], "auto")
+        if have == "auto":
+            node[keys[-1]] = want
+        elif have != want:
+            raise ConfigError(
+                f"`training.deepspeed_config`: {path} sets {'.'.join(keys)}={have!r} but {tandem_key} "
+                f'gives {want!r}; set it to "auto" in the JSON (or change {tandem_key})'
+            )
+    for key in ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "steps_per_print"):
+        merged.setdefault(key, ours[key])
+    return merged

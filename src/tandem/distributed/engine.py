@@ -1,0 +1,195 @@
+"""The narrow engine the training loops drive, the same for every strategy.
+
+    engine = build_engine(model, cfg.training, env, device)
+    for i, micro in enumerate(micro_batches):
+        with engine.accumulate(last=i == len(micro_batches) - 1):
+            logprobs = engine.model(packed_rows)     # the policy's token log-probs (forward.py)
+            loss = loss_of(logprobs, micro)          # divided by the GLOBAL count of the batch
+            engine.backward(loss)
+    grad_norm = engine.step()                       # clip, optimizer, lr schedule
+    with engine.gathered():                         # full parameters in engine.module (all ranks)
+        ...                                         # rank 0: publish weights, export
+
+Contract: gradients are SUMMED over ranks (`backward` multiplies by the world size what DDP and
+DeepSpeed average), so a loss normalised by global counts gives the same update at any world
+size. Every rank must run the same number of `accumulate` blocks per step (the trainer pads a
+short share with zero-weighted micro-batches): DDP and ZeRO reduce inside backward, and ZeRO-3
+gathers parameters inside forward.
+
+`TorchEngine` serves `none` and `ddp`; `DeepSpeedEngine` serves ZeRO-1/2/3 (with CPU/NVMe
+offload). Only this package imports torch.distributed or deepspeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+
+from tandem.config import TrainingConfig
+from tandem.distributed import deepspeed_config
+from tandem.distributed.env import DistEnv, barrier
+from tandem.models.forward import PackedLogprobsModule
+from tandem.trainer.optim import build_optimizer, build_scheduler
+from tandem.trainer.runtime import grad_scaler
+
+log = logging.getLogger(__name__)
+
+
+class TorchEngine:
+    """Plain PyTorch (`none`) or DistributedDataParallel (`ddp`); checkpoints in PyTorch format."""
+
+    format = "torch"
+
+    def __init__(self, module: torch.nn.Module, tc: TrainingConfig, env: DistEnv, device: torch.device):
+        self.module, self.env, self.tc = module, env, tc
+        self.optimizer = build_optimizer(module, tc)
+        self.scheduler = build_scheduler(self.optimizer, tc)
+        self.scaler = grad_scaler(device, tc.mixed_precision)
+        self.model: torch.nn.Module = PackedLogprobsModule(module)
+        if env.active:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [device.index] if device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.model, device_ids=ids)
+
+    def accumulate(self, *, last: bool):
+        """DDP all-reduces only in the last micro-batch's backward."""
+        if self.env.active and not last:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss = loss * self.env.world_size
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self) -> float:
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = self.tc.max_grad_norm if self.tc.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        # free the gradients now, not at the next zero_grad: the next batch's generation then
+        # runs without a model-sized buffer held (peak memory)
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def skip_step(self) -> None:
+        """A step with nothing to learn from (every group had zero variance): the schedule moves on."""
+        self.scheduler.step()
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def gathered(self):
+        return contextlib.nullcontext()
+
+    def save(self, folder: Path) -> None:
+        """Optimizer and scheduler state (identical on every rank); the caller writes the model."""
+        if self.env.is_main:
+            torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
+
+    def load(self, folder: Path) -> None:
+        if not (folder / "optimizer.pt").is_file():
+            raise ValueError(
+                f"{folder} is a {checkpoint_format(folder)} checkpoint; resume it with "
+                "training.distributed_strategy=deepspeed, or start a new run from its weights "
+                f"with model.policy={folder / 'model'}"
+            )
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+
+
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO stage 1/2/3; checkpoints in DeepSpeed's sharded format (plus an HF model)."""
+
+    format = "deepspeed"
+
+    def __init__(
+        self, module: torch.nn.Module, tc: TrainingConfig, env: DistEnv, device: torch.device, stage: int
+    ):
+        import deepspeed
+
+        self.env, self.tc = env, tc
+        config = deepspeed_config.resolve(tc, env.world_size)
+        config["zero_optimization"]["stage"] = stage
+        self.stage = stage
+        optimizer = None if "optimizer" in config else build_optimizer(module, tc)
+        scheduler = None if "scheduler" in config or optimizer is None else build_scheduler(optimizer, tc)
+        self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=PackedLogprobsModule(module), optimizer=optimizer, lr_scheduler=scheduler, config=config
+        )
+        self.module = module
+        self.config = config
+
+    def accumulate(self, *, last: bool):
+        self.model.set_gradient_accumulation_boundary(last)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.model.backward(loss * self.env.world_size, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        self.model.step()
+        norm = self.model.get_global_grad_norm()
+        return float(norm) if norm is not None else 0.0
+
+    def skip_step(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def lr(self) -> float:
+        return float(self.model.get_lr()[0])
+
+    def gathered(self):
+        """Under ZeRO-3 every rank takes part in gathering the full parameters into the module."""
+        if self.stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+
+    def save(self, folder: Path) -> None:
+        """Every rank writes its shards into folder/deepspeed (a folder all ranks see)."""
+        self.model.save_checkpoint(str(folder / "deepspeed"), tag="state", save_latest=False)
+
+    def load(self, folder: Path) -> None:
+        if not (folder / "deepspeed").is_dir():
+            raise ValueError(
+                f"{folder} is a {checkpoint_format(folder)} checkpoint, not DeepSpeed's; resume it with "
+                "training.distributed_strategy=none or ddp, or start a new run from its weights with "
+                f"model.policy={folder / 'model'}"
+            )
+        path, _ = self.model.load_checkpoint(
+            str(folder / "deepspeed"), tag="state", load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise ValueError(f"DeepSpeed found no checkpoint in {folder / 'deepspeed'}")
+
+
+def checkpoint_format(folder: Path) -> str:
+    return "deepspeed" if (folder / "deepspeed").is_dir() else "torch"
+
+
+def build_engine(
+    module: torch.nn.Module, tc: TrainingConfig, env: DistEnv, device: torch.device
+) -> TorchEngine | DeepSpeedEngine:
+    num_parameters = sum(p.numel() for p in module.parameters())
+    strategy, stage = deepspeed_config.strategy_for(num_parameters, tc.distributed_strategy, tc.zero_stage)
+    if tc.distributed_strategy == "auto" and env.is_main:
+        chosen = f"deepspeed ZeRO-{stage}" if strategy == "deepspeed" else strategy
+        log.info("distributed_strategy auto: %.2fB parameters -> %s", num_parameters / 1e9, chosen)
+    if strategy == "deepspeed":
+        return DeepSpeedEngine(module, tc, env, device, stage)
+    return TorchEngine(module, tc, env, device)
+
+
+__all__ = ["DeepSpeedEngine", "TorchEngine", "barrier", "build_engine", "checkpoint_format"]
