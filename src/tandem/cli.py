@@ -86,12 +86,13 @@ def cmd_sample(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from tandem.launch import launch, parse_devices
+    from tandem.launch import Nodes, launch, parse_devices
 
     cfg = _config(args)
     sampling = parse_devices(args.sampling_devices, "--sampling-devices")
     training = parse_devices(args.training_devices, "--training-devices")
-    rc = launch(args.config, args.overrides, cfg, sampling, training)
+    nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.launcher)
+    rc = launch(args.config, args.overrides, cfg, sampling, training, nodes)
     if rc == 0:
         _finished(cfg)
     return rc
@@ -168,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    # the deepspeed launcher passes --local_rank=N before the command (LOCAL_RANK is read from the env)
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def config_args(p):
@@ -204,7 +207,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sampling-devices", default="cpu", help="one sampler per entry: cpu or GPU ids, e.g. 0 or 0,1"
     )
-    p.add_argument("--training-devices", default="cpu", help="cpu or a GPU id, e.g. 1")
+    p.add_argument(
+        "--training-devices",
+        default="cpu",
+        help="one trainer rank per entry: cpu, cpu,cpu or GPU ids, e.g. 1 or 1,2,3 (several: torchrun/DeepSpeed)",
+    )
+    p.add_argument(
+        "--launcher", default="torchrun", choices=["torchrun", "deepspeed"], help="starts the ranks"
+    )
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of the training job")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 runs the samplers)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, for the rendezvous")
+    p.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0")
     p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("check-comm", help="check both channels between hosts: latency, bandwidth, diagnosis")

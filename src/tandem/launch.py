@@ -2,9 +2,17 @@
 
     tandem launch CONFIG [key=value ...] --sampling-devices 0 --training-devices 1
     tandem launch CONFIG --sampling-devices cpu,cpu --training-devices cpu
+    tandem launch CONFIG --sampling-devices 0 --training-devices 1,2,3            # 3 trainer ranks
+    tandem launch CONFIG --sampling-devices 0 --training-devices 1,2,3 --launcher deepspeed
+    # two nodes: on the first (samplers there), then on the second (none there)
+    tandem launch CONFIG --sampling-devices 0 --training-devices 1,2,3 --nnodes 2 --node-rank 0 --master-addr HOST0
+    tandem launch CONFIG --sampling-devices none --training-devices 0,1,2,3 --nnodes 2 --node-rank 1 --master-addr HOST0
 
 Each sampling device gets one sampler (`s0`, `s1`, ... in order); a GPU id is exposed to its
-child as CUDA_VISIBLE_DEVICES. On the CPU the cores are split between the processes unless
+child as CUDA_VISIBLE_DEVICES. Several training devices (or several nodes) make the trainer a
+torchrun (or `deepspeed` launcher) job with one rank per device; its rank 0, on node 0, is where
+the samplers send their groups (`pipeline.trainer_host`). A config whose
+`training.distributed_strategy` is none gets `auto` (DDP below 1B parameters, ZeRO otherwise). On the CPU the cores are split between the processes unless
 `sampling.num_threads` / `training.num_threads` say otherwise. The trainer keeps this terminal;
 the samplers write to `<run_dir>/logs/sampler-<id>.log`. Ctrl-C (SIGINT) and SIGTERM are
 forwarded to every child; when one child fails, the others are stopped and the launcher says
@@ -39,8 +47,22 @@ class Child:
     proc: subprocess.Popen | None = None
 
 
+@dataclass
+class Nodes:
+    """Where this node's trainer ranks sit in a multi-node job (torchrun's rendezvous flags)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    launcher: str = "torchrun"  # torchrun | deepspeed
+
+
 def parse_devices(spec: str, option: str) -> list[str]:
-    """`cpu`, `cpu,cpu` or GPU ids `0,1`: one entry per process (sampling) or rank (training)."""
+    """`cpu`, `cpu,cpu` or GPU ids `0,1`: one entry per process (sampling) or rank (training);
+    `none` (sampling only): no sampler on this node."""
+    if spec.strip() == "none" and option == "--sampling-devices":
+        return []
     devices = [d.strip() for d in spec.split(",") if d.strip()]
     for d in devices:
         if d != "cpu" and not d.isdigit():
@@ -79,15 +101,20 @@ def plan(
     cfg: Config,
     sampling_devices: list[str],
     training_devices: list[str],
+    nodes: Nodes | None = None,
 ) -> list[Child]:
-    if len(training_devices) > 1:
-        raise ConfigError(
-            f"--training-devices {','.join(training_devices)}: this trainer runs on one device; several "
-            "ranks (DDP / DeepSpeed) come with training.distributed_strategy"
-        )
+    nodes = nodes or Nodes()
+    if len(set(training_devices)) != len(training_devices) and "cpu" not in training_devices:
+        raise ConfigError(f"--training-devices {','.join(training_devices)}: a GPU may hold one trainer rank")
+    if "cpu" in training_devices and len(set(training_devices)) > 1:
+        raise ConfigError("--training-devices: all ranks on the CPU (cpu,cpu) or all on GPUs (0,1), not both")
+    if not sampling_devices and nodes.node_rank == 0:
+        raise ConfigError("--sampling-devices none: node 0 must run the samplers (give e.g. cpu or 0)")
     base = [sys.executable, "-m", "tandem.cli"]
     head = [config_path] if config_path else []
-    shared = list(overrides) + [f"pipeline.num_samplers={len(sampling_devices)}"]
+    shared = list(overrides)
+    if sampling_devices:
+        shared.append(f"pipeline.num_samplers={len(sampling_devices)}")
     if cfg.pipeline.trainer_host in ("127.0.0.1", "localhost") and cfg.pipeline.bind_host == "*":
         shared.append("pipeline.bind_host=127.0.0.1")  # a local run listens on loopback only
     on_cpu = [d == "cpu" for d in sampling_devices + training_devices]
@@ -101,11 +128,19 @@ def plan(
     run_logs = cfg.run_dir / "logs"
     children = []
     train_dev = training_devices[0]
-    trainer = Child("trainer", base + ["train", *head, *shared, *trainer_extra])
+    ranks = len(training_devices)
+    if ranks > 1 or nodes.nnodes > 1:
+        if cfg.training.distributed_strategy == "none":
+            trainer_extra.append("training.distributed_strategy=auto")
+        trainer = Child(
+            "trainer", distributed_launch(nodes, ranks) + ["train", *head, *shared, *trainer_extra]
+        )
+    else:
+        trainer = Child("trainer", base + ["train", *head, *shared, *trainer_extra])
     if train_dev == "cpu":
         trainer.cmd.append("training.device=cpu")
     else:
-        trainer.env["CUDA_VISIBLE_DEVICES"] = train_dev
+        trainer.env["CUDA_VISIBLE_DEVICES"] = ",".join(training_devices)
         trainer.cmd.append("training.device=cuda")
     children.append(trainer)
     for i, dev in enumerate(sampling_devices):
@@ -119,6 +154,28 @@ def plan(
             child.cmd += ["--device", "cuda:0"]
         children.append(child)
     return children
+
+
+def distributed_launch(nodes: Nodes, ranks: int) -> list[str]:
+    """The torchrun (or deepspeed launcher) command that starts this node's trainer ranks."""
+    if nodes.launcher == "deepspeed":
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", f"--num_gpus={ranks}"]
+        if nodes.nnodes > 1:  # no hostfile or ssh: each node starts its own ranks, as torchrun does
+            cmd += ["--no_ssh", f"--num_nodes={nodes.nnodes}", f"--node_rank={nodes.node_rank}"]
+        cmd += [f"--master_addr={nodes.master_addr}", f"--master_port={nodes.master_port}"]
+        return cmd + ["--no_local_rank", "--module", "tandem.cli"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={ranks}",
+        f"--nnodes={nodes.nnodes}",
+        f"--node-rank={nodes.node_rank}",
+        f"--master-addr={nodes.master_addr}",
+        f"--master-port={nodes.master_port}",
+        "-m",
+        "tandem.cli",
+    ]
 
 
 class Launcher:
@@ -200,8 +257,9 @@ def launch(
     cfg: Config,
     sampling_devices: list[str],
     training_devices: list[str],
+    nodes: Nodes | None = None,
 ) -> int:
-    launcher = Launcher(plan(config_path, overrides, cfg, sampling_devices, training_devices))
+    launcher = Launcher(plan(config_path, overrides, cfg, sampling_devices, training_devices, nodes))
 
     def forward(signum, frame):
         raise KeyboardInterrupt

@@ -179,3 +179,142 @@ def test_rank_without_a_group_and_checkpointed_activations(tiny_model_dir, tmp_p
         "training.gradient_checkpointing=true",
     )
     assert_same(params, ref, "zero3 with an idle rank")
+
+
+# ------------------------------------------------ whole runs: launch, two nodes, DeepSpeed resume
+
+from integration.test_pipeline import Run  # noqa: E402 - the pipeline tests' run helper
+
+
+def sampler_versions(run: Run) -> list[int]:
+    return [r["policy_version"] for r in run.sampler_rows("s0") if "policy_version" in r]
+
+
+def test_two_rank_zero3_trainer_fed_by_a_real_sampler(make_run):
+    """`tandem launch --training-devices cpu,cpu`: a torchrun trainer of two ZeRO-3 ranks, fed by a
+    sampler process over ZeroMQ; the gathered weights flow back and the sampler's version advances."""
+    run = make_run(
+        "zero3_pipeline",
+        "training.distributed_strategy=deepspeed",
+        "training.zero_stage=3",
+        "training.gradient_accumulation_steps=1",
+    )
+    proc = run.start(
+        "launch",
+        "--sampling-devices",
+        "cpu",
+        "--training-devices",
+        "cpu,cpu",
+        "--master-port",
+        str(free_port()),
+        log="launch",
+    )
+    assert run.wait(proc, "launch", timeout=240) == 0, run.log("launch")[-4000:]
+    rows = run.rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["world_size"] == 2 and r["num_train_sequences"] == 8 for r in rows)
+    assert max(r["policy_version"] for r in rows) >= 2, (
+        "groups sampled with published weights reached the trainer"
+    )
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run.dir / "final")  # the gathered ZeRO-3 export loads
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_two_nodes_on_loopback(make_run):
+    """`--nnodes 2`, one trainer rank per "node", both on 127.0.0.1; node 1 runs no sampler."""
+    run = make_run("two_nodes", "training.distributed_strategy=ddp", "training.gradient_accumulation_steps=1")
+    port = str(free_port())
+    nodes = [
+        "--training-devices",
+        "cpu",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+    ]
+    node0 = run.start("launch", "--sampling-devices", "cpu", *nodes, "--node-rank", "0", log="node0")
+    node1 = run.start("launch", "--sampling-devices", "none", *nodes, "--node-rank", "1", log="node1")
+    assert run.wait(node0, "node0", timeout=240) == 0, run.log("node0")[-4000:] + run.log("node1")[-3000:]
+    assert run.wait(node1, "node1", timeout=60) == 0, run.log("node1")[-4000:]
+    rows = run.rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["world_size"] == 2
+
+
+def colocated_args(tmp_path: Path, model_dir: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "-m",
+        "tandem.cli",
+        "grpo",
+        f"experiment_name={name}",
+        f"output_dir={tmp_path}",
+        "seed=3",
+        f"model.policy={model_dir}",
+        "sampling.dtype=float32",
+        "sampling.max_new_tokens=8",
+        "sampling.num_generations=4",
+        "data.num_examples=20",
+        "data.num_shots=0",
+        "rewards=[{type: answer}, {type: format}, {type: function, function: 'tiny_rewards:digit_count'}]",
+        "grpo.prompts_per_step=2",
+        "training.micro_batch_size=2",
+        "training.gradient_accumulation_steps=2",
+        "training.learning_rate=1e-3",
+        "training.device=cpu",
+        "training.save_steps=2",
+        "training.distributed_strategy=deepspeed",
+        "training.zero_stage=2",
+        "pipeline.mode=colocated",
+        *extra,
+    ]
+
+
+def test_resume_from_a_deepspeed_checkpoint_equals_uninterrupted(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    torchrun(2, *colocated_args(tmp_path, tiny_model_dir, "straight", "training.max_steps=4"))
+    torchrun(2, *colocated_args(tmp_path, tiny_model_dir, "resumed", "training.max_steps=2"))
+    ckpt_dir = tmp_path / "resumed" / "checkpoints" / "step-2"
+    assert (ckpt_dir / "deepspeed").is_dir() and (ckpt_dir / "model").is_dir()
+    torchrun(
+        2,
+        *colocated_args(
+            tmp_path,
+            tiny_model_dir,
+            "resumed",
+            "training.max_steps=4",
+            "training.resume_from_checkpoint=latest",
+        ),
+    )
+    a = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+    rows = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_a_deepspeed_checkpoint_refuses_a_torch_resume_clearly(tiny_model_dir, tmp_path):
+    torchrun(2, *colocated_args(tmp_path, tiny_model_dir, "ds", "training.max_steps=2"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            *colocated_args(
+                tmp_path,
+                tiny_model_dir,
+                "ds",
+                "training.max_steps=4",
+                "training.resume_from_checkpoint=latest",
+                "training.distributed_strategy=none",
+            ),
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "deepspeed checkpoint" in proc.stderr and "model.policy=" in proc.stderr

@@ -115,19 +115,6 @@ class Run:
                 proc.wait()
 
 
-@pytest.fixture
-def make_run(tmp_path, tiny_model_dir):
-    runs = []
-
-    def make(name: str, *overrides: str) -> Run:
-        runs.append(Run(tmp_path, tiny_model_dir, name, *overrides))
-        return runs[-1]
-
-    yield make
-    for run in runs:
-        run.kill_all()
-
-
 def finish(run: Run, trainer, samplers: dict) -> None:
     assert run.wait(trainer, "trainer") == 0, run.log("trainer")[-3000:]
     for sid, proc in samplers.items():
