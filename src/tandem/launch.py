@@ -139,6 +139,7 @@ def plan(
         trainer = Child("trainer", base + ["train", *head, *shared, *trainer_extra])
     if train_dev == "cpu":
         trainer.cmd.append("training.device=cpu")
+        trainer.env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed (and its launcher) on the CPU
     else:
         trainer.env["CUDA_VISIBLE_DEVICES"] = ",".join(training_devices)
         trainer.cmd.append("training.device=cuda")

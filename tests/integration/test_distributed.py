@@ -190,13 +190,15 @@ def sampler_versions(run: Run) -> list[int]:
     return [r["policy_version"] for r in run.sampler_rows("s0") if "policy_version" in r]
 
 
-def test_two_rank_zero3_trainer_fed_by_a_real_sampler(make_run):
-    """`tandem launch --training-devices cpu,cpu`: a torchrun trainer of two ZeRO-3 ranks, fed by a
-    sampler process over ZeroMQ; the gathered weights flow back and the sampler's version advances."""
+@pytest.mark.parametrize(("launcher", "stage"), [("torchrun", 3), ("deepspeed", 2)])
+def test_two_rank_trainer_fed_by_a_real_sampler(make_run, launcher, stage):
+    """`tandem launch --training-devices cpu,cpu`: a trainer of two ZeRO ranks (under torchrun or the
+    deepspeed launcher), fed by a sampler process over ZeroMQ; the weights (gathered under ZeRO-3)
+    flow back and groups sampled with them reach the trainer."""
     run = make_run(
-        "zero3_pipeline",
+        f"zero{stage}_pipeline",
         "training.distributed_strategy=deepspeed",
-        "training.zero_stage=3",
+        f"training.zero_stage={stage}",
         "training.gradient_accumulation_steps=1",
     )
     proc = run.start(
@@ -205,6 +207,8 @@ def test_two_rank_zero3_trainer_fed_by_a_real_sampler(make_run):
         "cpu",
         "--training-devices",
         "cpu,cpu",
+        "--launcher",
+        launcher,
         "--master-port",
         str(free_port()),
         log="launch",

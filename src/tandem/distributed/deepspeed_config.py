@@ -25,16 +25,17 @@ def strategy_for(num_parameters: int, strategy: str, zero_stage: int) -> tuple[s
     return "deepspeed", 2 if num_parameters <= 7e9 else 3
 
 
-def generated(tc: TrainingConfig, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config this training config implies."""
+def generated(tc: TrainingConfig, world_size: int, stage: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config this training config implies (`stage`: auto's choice, else zero_stage)."""
+    stage = tc.zero_stage if stage is None else stage
     zero: dict[str, Any] = {
-        "stage": tc.zero_stage,
+        "stage": stage,
         "overlap_comm": False,
         "contiguous_gradients": True,
         "reduce_bucket_size": 5e7,
         "allgather_bucket_size": 5e7,
     }
-    if tc.zero_stage == 3:
+    if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     for key, where in (("offload_optimizer", tc.offload_optimizer), ("offload_param", tc.offload_param)):
         if where != "none":
@@ -57,9 +58,12 @@ def generated(tc: TrainingConfig, world_size: int) -> dict[str, Any]:
     }
 
 
-def resolve(tc: TrainingConfig, world_size: int) -> dict[str, Any]:
-    """The generated config, or the user's file with "auto" filled and every explicit value checked."""
-    ours = generated(tc, world_size)
+def resolve(tc: TrainingConfig, world_size: int, stage: int | None = None) -> dict[str, Any]:
+    """The generated config, or the user's file with "auto" filled and every explicit value checked.
+
+    A file's `zero_optimization` is its own (stage, offload, buckets); "auto" there takes the
+    YAML's value."""
+    ours = generated(tc, world_size, stage)
     if tc.deepspeed_config is None:
         return ours
     path = Path(tc.deepspeed_config)
@@ -80,8 +84,8 @@ _CHECKED = [
     (("gradient_clipping",), "training.max_grad_norm"),
     (("bf16", "enabled"), "training.mixed_precision"),
     (("fp16", "enabled"), "training.mixed_precision"),
-    (("zero_optimization", "stage"), "training.zero_stage"),
 ]
+_FILLED = [("stage",), ("offload_optimizer", "device"), ("offload_param", "device")]
 
 
 def _merge(theirs: dict, ours: dict, path: Path) -> dict:
@@ -101,6 +105,13 @@ def _merge(theirs: dict, ours: dict, path: Path) -> dict:
                 f"`training.deepspeed_config`: {path} sets {'.'.join(keys)}={have!r} but {tandem_key} "
                 f'gives {want!r}; set it to "auto" in the JSON (or change {tandem_key})'
             )
+    zero = merged.setdefault("zero_optimization", {})
+    for keys in _FILLED:
+        node, want = zero, ours["zero_optimization"]
+        for k in keys[:-1]:
+            node, want = node.setdefault(k, {}), want.get(k, {"device": "none"})
+        if node.get(keys[-1], "auto") == "auto":
+            node[keys[-1]] = want.get(keys[-1], "none")
     for key in ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "steps_per_print"):
         merged.setdefault(key, ours[key])
     return merged

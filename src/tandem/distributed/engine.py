@@ -119,9 +119,8 @@ class DeepSpeedEngine:
         import deepspeed
 
         self.env, self.tc = env, tc
-        config = deepspeed_config.resolve(tc, env.world_size)
-        config["zero_optimization"]["stage"] = stage
-        self.stage = stage
+        config = deepspeed_config.resolve(tc, env.world_size, stage)
+        self.stage = int(config["zero_optimization"]["stage"])
         optimizer = None if "optimizer" in config else build_optimizer(module, tc)
         scheduler = None if "scheduler" in config or optimizer is None else build_scheduler(optimizer, tc)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
