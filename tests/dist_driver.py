@@ -8,6 +8,7 @@ parameters and per-step stats, so runs at different world sizes and strategies c
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -16,6 +17,7 @@ from tandem.config import load_config, validate_batch
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import init_distributed, shutdown
 from tandem.models.loading import load_causal_lm
+from tandem.models.lora import apply_lora
 from tandem.trainer.batching import flatten_groups
 from tandem.trainer.grpo import optimizer_step, scatter_share
 from tandem.types import Completion, Group
@@ -68,6 +70,8 @@ def main() -> None:
     validate_batch(cfg, env.world_size)
     torch.manual_seed(0)
     model = load_causal_lm(model_dir, dtype="float32")
+    if cfg.model.lora.enabled:
+        model = apply_lora(model, cfg.model.lora)
     if tc.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -89,6 +93,11 @@ def main() -> None:
             with open(out + ".json", "w") as f:
                 json.dump({"rows": rows, "world_size": env.world_size, "engine": type(engine).__name__}, f)
     shutdown(env)
+    # as `tandem` does under a launcher (cli.main): no interpreter teardown, where a thread of the
+    # distributed stack sometimes aborts the process after a clean finish
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,20 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class LoraSpec:
+    """LoRA adapters through PEFT (models/lora.py)."""
+
+    enabled: bool = False
+    r: int = 16  # rank
+    alpha: float = 32.0  # scale = alpha / r
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    sync: str = "adapter"  # what samplers receive: adapter (only the LoRA weights) | merged (full weights)
+
+
+@dataclass
 class ModelConfig:
     policy: str = "embedded"  # "embedded" | HF folder | hub id | path/to/model.gguf
     reference: str | None = None  # None = a frozen copy of the policy's initial weights
@@ -52,6 +66,7 @@ class ModelConfig:
     dtype: str = "float32"  # master weights: float32 | bfloat16 | float16
     trust_remote_code: bool = False
     attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
+    lora: LoraSpec = field(default_factory=LoraSpec)
 
 
 @dataclass
@@ -389,6 +404,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "training.offload_optimizer": OFFLOAD_DEVICES,
     "training.offload_param": OFFLOAD_DEVICES,
     "training.dist_backend": DIST_BACKENDS,
+    "model.lora.sync": ("adapter", "merged"),
     "pipeline.mode": PIPELINE_MODES,
     "pipeline.sync_method": SYNC_METHODS,
 }
@@ -433,6 +449,9 @@ _BOUNDS: list[tuple[str, Callable[[Any], bool], str]] = [
     ("training.sample_log_steps", lambda v: v >= 0, ">= 0 (0 = never)"),
     ("training.num_threads", lambda v: v >= 0, ">= 0 (0 = torch default)"),
     ("training.zero_stage", lambda v: v in (1, 2, 3), "1, 2 or 3"),
+    ("model.lora.r", lambda v: v >= 1, ">= 1"),
+    ("model.lora.alpha", lambda v: v > 0, "> 0"),
+    ("model.lora.dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("sampling.num_threads", lambda v: v >= 0, ">= 0 (0 = share the cores with the trainer)"),
     ("pipeline.num_samplers", lambda v: v >= 1, ">= 1"),
     ("pipeline.data_port", lambda v: 0 < v < 65536, "a TCP port in 1..65535"),

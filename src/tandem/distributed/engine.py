@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import TrainingConfig
+from tandem.config import ConfigError, TrainingConfig
 from tandem.distributed import deepspeed_config
 from tandem.distributed.env import DistEnv, barrier
 from tandem.models.forward import PackedLogprobsModule
@@ -99,7 +99,7 @@ class TorchEngine:
 
     def load(self, folder: Path) -> None:
         if not (folder / "optimizer.pt").is_file():
-            raise ValueError(
+            raise ConfigError(
                 f"{folder} is a {checkpoint_format(folder)} checkpoint; resume it with "
                 "training.distributed_strategy=deepspeed, or start a new run from its weights "
                 f"with model.policy={folder / 'model'}"
@@ -162,7 +162,7 @@ class DeepSpeedEngine:
 
     def load(self, folder: Path) -> None:
         if not (folder / "deepspeed").is_dir():
-            raise ValueError(
+            raise ConfigError(
                 f"{folder} is a {checkpoint_format(folder)} checkpoint, not DeepSpeed's; resume it with "
                 "training.distributed_strategy=none or ddp, or start a new run from its weights with "
                 f"model.policy={folder / 'model'}"

@@ -80,8 +80,12 @@ def init_distributed(strategy: str, device_type: str, backend: str = "auto") -> 
     return DistEnv(rank=rank, world_size=dist.get_world_size(), local_rank=local_rank, backend=backend)
 
 
-def shutdown(env: DistEnv) -> None:
+def shutdown(env: DistEnv, *, clean: bool = True) -> None:
+    """Leave the process group; after a clean finish, only once every rank is done (a rank that
+    tears its connections down while a peer still works can abort gloo)."""
     if env.active and dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -20,6 +20,7 @@ from tandem.data.prompts import render_prompt
 from tandem.data.stream import PromptStream
 from tandem.models.forward import pack_rows, packed_logprobs
 from tandem.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer
+from tandem.models.lora import BaseOfAdapter, apply_lora, is_lora
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.generation import generate_groups
 from tandem.types import Completion, Example, Group
@@ -141,7 +142,7 @@ class Rollout:
         """Frozen reference log-probs; each group is one packed row (its prompt computed once)."""
         if self.reference is None:
             return None
-        if isinstance(self.reference, OffloadedModel):
+        if isinstance(self.reference, (OffloadedModel, BaseOfAdapter)):
             with self.reference as reference:
                 return self._reference_logprobs(reference, prompts, completions)
         return self._reference_logprobs(self.reference, prompts, completions)
@@ -204,13 +205,19 @@ def model_kwargs(cfg: Config, device) -> dict:
 def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_id: str = "local") -> Rollout:
     """The sampling side: the rollout copy of the policy (or the policy itself when the dtypes
     agree), the frozen reference, the rewards and the prompt format."""
+    lora = cfg.model.lora
     rollout_model = policy
     if policy is None or cfg.sampling.dtype != cfg.model.dtype:
         rollout_model = load_causal_lm(
             cfg.model.policy, dtype=cfg.sampling.dtype, trainable=False, **model_kwargs(cfg, device)
         )
+        # the rollout copy has the policy's adapters when it receives adapters (or copies them here)
+        if lora.enabled and (policy is not None or lora.sync == "adapter"):
+            rollout_model = apply_lora(rollout_model, lora).eval().requires_grad_(False)
     reference = None
-    if cfg.grpo.kl_coef != 0:
+    if cfg.grpo.kl_coef != 0 and is_lora(rollout_model) and not cfg.model.reference:
+        reference = BaseOfAdapter(rollout_model)  # the base weights under the adapters: no second copy
+    elif cfg.grpo.kl_coef != 0:
 
         def load_reference():
             return load_causal_lm(

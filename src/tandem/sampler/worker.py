@@ -39,6 +39,7 @@ import zmq
 from tandem.atomic import atomic_write_text
 from tandem.config import Config
 from tandem.models.loading import load_tokenizer
+from tandem.models.lora import adapter_parameters, is_lora
 from tandem.sampler.rollout import build_rollout, prompt_stream
 from tandem.trainer.runtime import resolve_device, set_seed, set_threads
 from tandem.transport.channel import GroupSender
@@ -188,7 +189,8 @@ class Sampler:
         if got is None:
             return 0.0  # the trainer went away or pruned it: the next status says what now
         manifest, flat = got
-        load_weights(self.rollout.policy, flat, manifest)
+        policy = self.rollout.policy
+        load_weights(policy, flat, manifest, adapter_parameters(policy) if is_lora(policy) else None)
         if manifest.run_id != self.run_id:
             log.info(
                 "sampler %s: trainer run %s, weights v%d", self.sampler_id, manifest.run_id, manifest.version

@@ -105,8 +105,19 @@ def resolve_resume(spec: str | None, checkpoints_dir: Path) -> Path | None:
 
 
 def load_model_weights(folder: Path, model) -> None:
-    """The safetensors of an HF folder into `model` (tied weights are saved once)."""
+    """The safetensors of an HF folder into `model` (tied weights are saved once); a LoRA policy's
+    checkpoint holds its adapters only (the base is model.policy itself)."""
     from safetensors.torch import load_file
+
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
+        if result.unexpected_keys:
+            raise RuntimeError(
+                f"checkpoint {folder} does not match the adapters: {result.unexpected_keys[:5]}"
+            )
+        return
 
     weights = {}
     for file in sorted(folder.glob("*.safetensors")):

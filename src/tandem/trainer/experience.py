@@ -21,6 +21,7 @@ import torch
 from tandem.atomic import atomic_write_text
 from tandem.config import Config
 from tandem.data.stream import PromptStream
+from tandem.models.lora import sync_tensors
 from tandem.sampler.rollout import Rollout
 from tandem.types import Group
 
@@ -145,7 +146,7 @@ class RemoteExperience:
     def publish(self, policy: torch.nn.Module) -> float:
         start = time.perf_counter()
         snapshot = self._buffers.snapshot(
-            policy.named_parameters(),
+            sync_tensors(policy, self.cfg.model.lora.sync),
             publisher=self.publisher,
             version=self.version,
             run_id=self.run_id,

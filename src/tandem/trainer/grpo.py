@@ -32,6 +32,7 @@ from tandem.distributed.env import (
     shutdown,
 )
 from tandem.models.loading import load_causal_lm, load_tokenizer
+from tandem.models.lora import apply_lora, is_lora
 from tandem.sampler.rollout import build_rollout, model_kwargs, prompt_stream
 from tandem.trainer import checkpoint as ckpt
 from tandem.trainer.batching import (
@@ -93,9 +94,12 @@ def train_grpo(cfg: Config) -> Path:
         device = torch.device("cuda", env.local_rank)
     try:
         validate_batch(cfg, env.world_size)
-        return _train(cfg, env, device)
-    finally:
-        shutdown(env)
+        final = _train(cfg, env, device)
+    except BaseException:
+        shutdown(env, clean=False)
+        raise
+    shutdown(env)
+    return final
 
 
 def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
@@ -123,6 +127,8 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
             cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code
         )
         policy = load_causal_lm(cfg.model.policy, dtype=cfg.model.dtype, **model_kwargs(cfg, device))
+    if cfg.model.lora.enabled:
+        policy = apply_lora(policy, cfg.model.lora)  # only the adapters train
     if tc.gradient_checkpointing:
         enable = getattr(policy, "activation_checkpointing_enable", None)
         if enable is None:  # non-reentrant: DDP and ZeRO hooks see each parameter once
@@ -415,7 +421,11 @@ def export_final(engine, env: DistEnv, tokenizer, out: Path) -> Path:
     (under ZeRO-3 every rank helps gather it; rank 0 writes it)."""
 
     def write(tmp: Path) -> None:
-        engine.module.save_pretrained(tmp, safe_serialization=True)
+        model = engine.module
+        if is_lora(model):  # the adapters alone, then the merged model the folder itself holds
+            model.save_pretrained(tmp / "adapter", safe_serialization=True)
+            model = model.merge_and_unload()
+        model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
 
     with engine.gathered():

@@ -141,9 +141,15 @@ def tensor_view(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_weights(model: torch.nn.Module, flat: torch.Tensor, manifest: WeightsManifest) -> None:
-    """Copy a received version into `model`'s parameters (casting to their dtype and device)."""
-    params = dict(model.named_parameters())
+def load_weights(
+    model: torch.nn.Module,
+    flat: torch.Tensor,
+    manifest: WeightsManifest,
+    params: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Copy a received version into `model`'s parameters (casting to their dtype and device);
+    `params`: the named parameters that travel (default: all of them; LoRA: the adapters)."""
+    params = dict(model.named_parameters()) if params is None else params
     names = {t.name for t in manifest.tensors}
     if names != set(params):
         missing, extra = sorted(set(params) - names), sorted(names - set(params))
