@@ -73,7 +73,7 @@ def test_micro_batch_1_x_accumulation_8_equals_8_x_1(tiny_model, tiny_model_dir,
 
 
 def test_reference_with_another_tokenizer_is_refused(tiny_model_dir):
-    from conftest import make_tiny_tokenizer
+    from tiny_models import make_tiny_tokenizer
 
     policy = AutoTokenizer.from_pretrained(tiny_model_dir)
     other = make_tiny_tokenizer()
