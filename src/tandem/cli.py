@@ -3,6 +3,10 @@
 tandem grpo [CONFIG.yaml] [key=value ...]   GRPO: sampler and trainer processes (pipeline.mode=colocated: one)
 tandem train CONFIG [key=value ...]          the trainer alone (waits for samplers)
 tandem sample CONFIG --trainer-host HOST     a sampler alone (feeds a trainer)
+tandem sft [CONFIG.yaml] [key=value ...]    supervised fine-tuning
+tandem rm [CONFIG.yaml] --task helpful      a reward model (helpful | harmless)
+tandem dpo [CONFIG.yaml] [key=value ...]    DPO, or Safe-MM-DPO with dpo.safe_mm reward models
+tandem ppo [CONFIG.yaml] [key=value ...]    PPO with a value head, on the GRPO sampler/trainer split
 tandem launch CONFIG --sampling-devices 0 --training-devices 1   trainer and samplers on devices
 tandem check-comm [serve|connect] ...        test both channels: latency, bandwidth, diagnosis
 tandem keygen DIR [NAME ...]                 CURVE key pairs for authenticated multi-host runs
@@ -23,12 +27,12 @@ from pathlib import Path
 log = logging.getLogger("tandem")
 
 
-def _config(args, *extra: str):
+def _config(args, *extra: str, method: str | None = None):
     from tandem.config import load_config
 
     if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides, args.config = [args.config, *args.overrides], None  # no file, only overrides
-    return load_config(args.config, [*args.overrides, *extra])
+    return load_config(args.config, [*args.overrides, *extra], method=method)
 
 
 def _finished(cfg) -> None:
@@ -36,13 +40,23 @@ def _finished(cfg) -> None:
     print(f"final policy: {final}\nrun record:   {cfg.run_dir}\nplots:        tandem plot {cfg.run_dir}")
 
 
-def cmd_grpo(args) -> int:
-    from tandem.launch import default_devices, launch
+def _trainer_loop(method: str):
+    if method == "ppo":
+        from tandem.trainer.ppo import train_ppo
+
+        return train_ppo
     from tandem.trainer.grpo import train_grpo
 
-    cfg = _config(args)
+    return train_grpo
+
+
+def cmd_grpo(args) -> int:
+    """grpo | ppo: colocated in this process, or trainer and sampler processes."""
+    from tandem.launch import default_devices, launch
+
+    cfg = _config(args, method=args.command)
     if cfg.pipeline.mode == "colocated":
-        train_grpo(cfg)
+        _trainer_loop(cfg.method)(cfg)
         rc = 0
     else:
         sampling, training = default_devices(cfg)
@@ -53,13 +67,30 @@ def cmd_grpo(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from tandem.trainer.grpo import train_grpo
-
     extra = ["pipeline.mode=decoupled"]
     if args.no_deepspeed:
         extra.append("training.distributed_strategy=none")
     cfg = _config(args, *extra)
-    train_grpo(cfg)
+    if cfg.method not in ("grpo", "ppo"):
+        from tandem.config import ConfigError
+
+        raise ConfigError(
+            f"`method` is {cfg.method!r}: `tandem train` is the trainer of grpo and ppo runs; "
+            f"run this config with `tandem {cfg.method}`"
+        )
+    _trainer_loop(cfg.method)(cfg)
+    _finished(cfg)
+    return 0
+
+
+def cmd_method(args) -> int:
+    """sft | rm | dpo: one process, or every rank under torchrun / the deepspeed launcher."""
+    import importlib
+
+    extra = [f"rm.task={args.task}"] if getattr(args, "task", None) else []
+    cfg = _config(args, *extra, method=args.command)
+    module = importlib.import_module(f"tandem.trainer.{args.command}")
+    getattr(module, f"train_{args.command}")(cfg)
     _finished(cfg)
     return 0
 
@@ -184,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     config_args(p)
     p.set_defaults(func=cmd_grpo)
 
-    p = sub.add_parser("train", help="the GRPO trainer alone: binds the ports and waits for samplers")
+    p = sub.add_parser(
+        "train", help="the GRPO (or PPO) trainer alone: binds the ports and waits for samplers"
+    )
     config_args(p)
     p.add_argument(
         "--no-deepspeed",
@@ -192,6 +225,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="plain PyTorch on one device (training.distributed_strategy=none)",
     )
     p.set_defaults(func=cmd_train)
+
+    for name, text in (
+        ("sft", "supervised fine-tuning (prompt/completion or chat messages)"),
+        ("rm", "a Bradley-Terry reward model: a scalar head on a causal LM"),
+        ("dpo", "DPO against a frozen reference; Safe-MM-DPO with dpo.safe_mm reward models"),
+    ):
+        p = sub.add_parser(name, help=text, description=f"{text}. Several ranks: torchrun or tandem launch.")
+        config_args(p)
+        if name == "rm":
+            p.add_argument("--task", choices=["helpful", "harmless"], help="rm.task (which preference set)")
+        p.set_defaults(func=cmd_method)
+
+    p = sub.add_parser(
+        "ppo", help="PPO with a value head: sampler and trainer processes (pipeline.mode=colocated: one)"
+    )
+    config_args(p)
+    p.set_defaults(func=cmd_grpo)
 
     p = sub.add_parser("sample", help="a GRPO sampler alone: generates groups for a trainer")
     config_args(p)

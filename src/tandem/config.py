@@ -26,7 +26,8 @@ DEFAULT_SYSTEM_PROMPT = (
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-REWARD_TYPES = ("answer", "format", "format_partial", "function")
+REWARD_TYPES = ("answer", "format", "format_partial", "function", "model")
+METHODS = ("grpo", "sft", "rm", "dpo", "ppo")
 SCALE_REWARDS = ("group", "batch", "none")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 LR_SCHEDULERS = ("constant", "cosine", "linear")
@@ -85,9 +86,10 @@ class DataConfig:
 
 @dataclass
 class RewardSpec:
-    type: str  # answer | format | format_partial | function
+    type: str  # answer | format | format_partial | function | model
     weight: float = 1.0
     function: str | None = None  # "package.module:function" when type == "function"
+    path: str | None = None  # type model: a reward model folder written by `tandem rm` (its final/)
     name: str | None = None  # key in reward_info; default = type (or the function's name)
 
     @property
@@ -126,8 +128,71 @@ class GRPOConfig:
 
 
 @dataclass
+class SFTConfig:
+    """`tandem sft`: supervised fine-tuning on prompt/completion pairs or chat messages."""
+
+    completion_only_loss: bool = True  # loss on completion tokens only (false: on every token)
+    packing: bool = False  # several examples per row (block-diagonal attention) instead of padding
+    max_length: int = 512  # tokens per example, prompt + completion; longer ones are cut from the end
+
+
+@dataclass
+class RewardModelConfig:
+    """`tandem rm`: a Bradley-Terry reward model (a scalar head on a causal LM)."""
+
+    task: str = "helpful"  # helpful | harmless: which built-in preference set data.dataset=synthetic gives
+    max_length: int = 512  # tokens per prompt + answer
+
+
+@dataclass
+class SafeMMConfig:
+    """Safe-MM-DPO: DPO whose per-pair margin adds the reward models' score gaps (algorithms/dpo.py)."""
+
+    helpful_model: str | None = (
+        None  # a `tandem rm` folder (task helpful); None with harmless_model = plain DPO
+    )
+    harmless_model: str | None = None  # a `tandem rm` folder (task harmless)
+    helpful_weight: float = 1.0
+    harmless_weight: float = 1.0
+    safety_margin: float = 0.0  # added to the margin of pairs whose chosen answer is the safer one
+
+    @property
+    def enabled(self) -> bool:
+        return self.helpful_model is not None or self.harmless_model is not None
+
+
+@dataclass
+class DPOConfig:
+    """`tandem dpo`: direct preference optimisation against a frozen reference."""
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo
+    label_smoothing: float = 0.0  # conservative DPO: the chance a label is flipped
+    reference_logps: str = "precompute"  # precompute (once, before training) | online (every batch)
+    max_length: int = 512  # tokens per prompt + answer
+    safe_mm: SafeMMConfig = field(default_factory=SafeMMConfig)
+
+
+@dataclass
+class PPOConfig:
+    """`tandem ppo`: PPO with a value head on the policy, on the GRPO sampler/trainer split."""
+
+    clip_eps: float = 0.2
+    value_clip_eps: float = 0.2
+    vf_coef: float = 0.1  # weight of the value loss
+    gamma: float = 1.0
+    lam: float = 0.95  # GAE lambda
+    kl_coef: float = 0.05
+    kl_mode: str = "reward"  # reward: -kl_coef * KL per token in the reward | loss: a k3 KL term in the loss
+    whiten_advantages: bool = True
+    num_iterations: int = 2  # optimizer passes over each batch (PPO epochs)
+
+
+@dataclass
 class TrainingConfig:
     max_steps: int = 200
+    num_epochs: int = 1  # sft, rm, dpo: passes over the data (training stops at max_steps or here)
+    eval_steps: int = 0  # sft, rm, dpo: evaluate every N steps (0 = at the end only)
     learning_rate: float = 1e-6
     lr_scheduler: str = "constant"  # constant | cosine | linear
     warmup_steps: int = 0
@@ -200,6 +265,7 @@ class PipelineConfig:
 
 @dataclass
 class Config:
+    method: str = "grpo"  # grpo | sft | rm | dpo | ppo: the command that runs this config
     experiment_name: str = "grpo"
     output_dir: str = "runs"  # the run folder is output_dir/experiment_name
     seed: int = 42
@@ -208,6 +274,10 @@ class Config:
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("answer"), RewardSpec("format")])
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rm: RewardModelConfig = field(default_factory=RewardModelConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
@@ -361,8 +431,13 @@ def _index(node: Any, part: str, key: str, here: str) -> str | int:
     return part
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
-    """Read a YAML file (None = all defaults), apply overrides, convert and validate."""
+def load_config(
+    path: str | Path | None, overrides: Sequence[str] = (), *, method: str | None = None
+) -> Config:
+    """Read a YAML file (None = all defaults), apply overrides, convert and validate.
+
+    `method` is the command's (`tandem sft` passes "sft"): a file written for another method is
+    refused rather than trained with the wrong loop."""
     raw: Any = {}
     if path is not None:
         path = Path(path)
@@ -374,7 +449,16 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             raise ConfigError(f"config file {path} is not valid YAML; fix the syntax: {e}") from e
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of keys to values at the top level")
-    cfg = config_from_dict(apply_overrides(raw, overrides))
+    merged = apply_overrides(raw, overrides)
+    if method is not None:
+        stated = merged.get("method", method)
+        if stated != method:
+            raise ConfigError(
+                f"`method` is {stated!r} in this config but the command is `tandem {method}`; "
+                f"run it with `tandem {stated}`, or set method: {method}"
+            )
+        merged["method"] = method
+    cfg = config_from_dict(merged)
     validate(cfg)
     return cfg
 
@@ -393,6 +477,11 @@ def dump_config(cfg: Any, path: str | Path) -> None:
 # ---------------------------------------------------------------- validation
 
 _CHOICES: dict[str, tuple[str, ...]] = {
+    "method": METHODS,
+    "rm.task": ("helpful", "harmless"),
+    "dpo.loss_type": ("sigmoid", "ipo"),
+    "dpo.reference_logps": ("precompute", "online"),
+    "ppo.kl_mode": ("reward", "loss"),
     "model.dtype": DTYPES,
     "model.attn_implementation": ATTN_IMPLEMENTATIONS,
     "sampling.dtype": DTYPES,
@@ -420,7 +509,7 @@ _BOUNDS: list[tuple[str, Callable[[Any], bool], str]] = [
     ),
     ("data.num_eval_examples", lambda v: v >= 0, ">= 0"),
     ("data.num_shots", lambda v: v >= 0, ">= 0"),
-    ("sampling.num_generations", lambda v: v >= 2, ">= 2 (a group of one completion has no advantage)"),
+    ("sampling.num_generations", lambda v: v >= 1, ">= 1"),
     ("sampling.max_new_tokens", lambda v: v >= 1, ">= 1"),
     ("sampling.temperature", lambda v: v > 0, "> 0"),
     ("sampling.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -433,6 +522,20 @@ _BOUNDS: list[tuple[str, Callable[[Any], bool], str]] = [
     ("grpo.num_iterations", lambda v: v >= 1, ">= 1"),
     ("grpo.adv_eps", lambda v: v >= 0, ">= 0"),
     ("training.max_steps", lambda v: v >= 1, ">= 1"),
+    ("training.num_epochs", lambda v: v >= 1, ">= 1"),
+    ("training.eval_steps", lambda v: v >= 0, ">= 0 (0 = at the end only)"),
+    ("sft.max_length", lambda v: v >= 2, ">= 2"),
+    ("rm.max_length", lambda v: v >= 2, ">= 2"),
+    ("dpo.max_length", lambda v: v >= 2, ">= 2"),
+    ("dpo.beta", lambda v: v > 0, "> 0"),
+    ("dpo.label_smoothing", lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
+    ("ppo.clip_eps", lambda v: v >= 0, ">= 0"),
+    ("ppo.value_clip_eps", lambda v: v >= 0, ">= 0"),
+    ("ppo.vf_coef", lambda v: v >= 0, ">= 0"),
+    ("ppo.gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("ppo.lam", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("ppo.kl_coef", lambda v: v >= 0, ">= 0"),
+    ("ppo.num_iterations", lambda v: v >= 1, ">= 1"),
     ("training.learning_rate", lambda v: v > 0, "> 0"),
     ("training.warmup_steps", lambda v: v >= 0, ">= 0"),
     ("training.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -497,9 +600,20 @@ def validate(cfg: Config) -> None:
             )
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.training.device):
         raise ConfigError(f"`training.device` is {cfg.training.device!r}; use auto, cpu, cuda or cuda:N")
-    _validate_rewards(cfg.rewards)
+    if cfg.method == "grpo" and cfg.sampling.num_generations < 2:
+        raise ConfigError(
+            f"`sampling.num_generations` is {cfg.sampling.num_generations}; GRPO needs >= 2 "
+            "(a group of one completion has no advantage)"
+        )
+    if cfg.method in ("grpo", "ppo"):
+        _validate_rewards(cfg.rewards)
+        validate_batch(cfg)
+    if cfg.method == "dpo" and cfg.dpo.safe_mm.enabled and cfg.dpo.loss_type != "sigmoid":
+        raise ConfigError(
+            "`dpo.safe_mm` is set with dpo.loss_type=ipo; Safe-MM-DPO's margin is defined for the "
+            "sigmoid loss: set dpo.loss_type=sigmoid"
+        )
     _validate_distributed(cfg.training)
-    validate_batch(cfg)
     _validate_pipeline(cfg.pipeline)
 
 
@@ -563,6 +677,10 @@ def _validate_rewards(rewards: list[RewardSpec]) -> None:
             raise ConfigError(
                 f"`{key}.function` is set but `{key}.type` is {spec.type!r}; set type: function"
             )
+        if spec.type == "model" and not spec.path:
+            raise ConfigError(f"`{key}.path` is unset; type model needs the folder a `tandem rm` run wrote")
+        if spec.type != "model" and spec.path is not None:
+            raise ConfigError(f"`{key}.path` is set but `{key}.type` is {spec.type!r}; set type: model")
         if spec.resolved_name in seen:
             raise ConfigError(
                 f"`{key}.name`: two rewards are named {spec.resolved_name!r}; give each a distinct name"

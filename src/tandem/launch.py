@@ -108,7 +108,13 @@ def plan(
         raise ConfigError(f"--training-devices {','.join(training_devices)}: a GPU may hold one trainer rank")
     if "cpu" in training_devices and len(set(training_devices)) > 1:
         raise ConfigError("--training-devices: all ranks on the CPU (cpu,cpu) or all on GPUs (0,1), not both")
-    if not sampling_devices and nodes.node_rank == 0:
+    # sft, rm and dpo learn from a fixed data set: trainer ranks only; grpo and ppo trainers take
+    # groups from samplers (`tandem train` runs the loop of the config's method)
+    supervised = cfg.method in ("sft", "rm", "dpo")
+    command = cfg.method if supervised else "train"
+    if supervised:
+        sampling_devices = []
+    elif not sampling_devices and nodes.node_rank == 0:
         raise ConfigError("--sampling-devices none: node 0 must run the samplers (give e.g. cpu or 0)")
     base = [sys.executable, "-m", "tandem.cli"]
     head = [config_path] if config_path else []
@@ -133,10 +139,10 @@ def plan(
         if cfg.training.distributed_strategy == "none":
             trainer_extra.append("training.distributed_strategy=auto")
         trainer = Child(
-            "trainer", distributed_launch(nodes, ranks) + ["train", *head, *shared, *trainer_extra]
+            "trainer", distributed_launch(nodes, ranks) + [command, *head, *shared, *trainer_extra]
         )
     else:
-        trainer = Child("trainer", base + ["train", *head, *shared, *trainer_extra])
+        trainer = Child("trainer", base + [command, *head, *shared, *trainer_extra])
     if train_dev == "cpu":
         trainer.cmd.append("training.device=cpu")
         trainer.env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed (and its launcher) on the CPU

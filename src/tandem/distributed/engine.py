@@ -43,12 +43,19 @@ class TorchEngine:
 
     format = "torch"
 
-    def __init__(self, module: torch.nn.Module, tc: TrainingConfig, env: DistEnv, device: torch.device):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        tc: TrainingConfig,
+        env: DistEnv,
+        device: torch.device,
+        forward: torch.nn.Module | None = None,
+    ):
         self.module, self.env, self.tc = module, env, tc
-        self.optimizer = build_optimizer(module, tc)
+        self.optimizer = build_optimizer(forward if forward is not None else module, tc)
         self.scheduler = build_scheduler(self.optimizer, tc)
         self.scaler = grad_scaler(device, tc.mixed_precision)
-        self.model: torch.nn.Module = PackedLogprobsModule(module)
+        self.model: torch.nn.Module = forward if forward is not None else PackedLogprobsModule(module)
         if env.active:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -69,7 +76,7 @@ class TorchEngine:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.tc.max_grad_norm if self.tc.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -114,17 +121,27 @@ class DeepSpeedEngine:
     format = "deepspeed"
 
     def __init__(
-        self, module: torch.nn.Module, tc: TrainingConfig, env: DistEnv, device: torch.device, stage: int
+        self,
+        module: torch.nn.Module,
+        tc: TrainingConfig,
+        env: DistEnv,
+        device: torch.device,
+        stage: int,
+        forward: torch.nn.Module | None = None,
     ):
         import deepspeed
 
         self.env, self.tc = env, tc
         config = deepspeed_config.resolve(tc, env.world_size, stage)
         self.stage = int(config["zero_optimization"]["stage"])
-        optimizer = None if "optimizer" in config else build_optimizer(module, tc)
+        trained = forward if forward is not None else module
+        optimizer = None if "optimizer" in config else build_optimizer(trained, tc)
         scheduler = None if "scheduler" in config or optimizer is None else build_scheduler(optimizer, tc)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=PackedLogprobsModule(module), optimizer=optimizer, lr_scheduler=scheduler, config=config
+            model=forward if forward is not None else PackedLogprobsModule(module),
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=config,
         )
         self.module = module
         self.config = config
@@ -179,16 +196,25 @@ def checkpoint_format(folder: Path) -> str:
 
 
 def build_engine(
-    module: torch.nn.Module, tc: TrainingConfig, env: DistEnv, device: torch.device
+    module: torch.nn.Module,
+    tc: TrainingConfig,
+    env: DistEnv,
+    device: torch.device,
+    forward: torch.nn.Module | None = None,
 ) -> TorchEngine | DeepSpeedEngine:
+    """The engine for tc.distributed_strategy. `forward` is the nn.Module the loop calls as
+    engine.model: it owns `module` as a submodule plus any head that trains with it (a value
+    head), and the optimizer takes its parameters; engine.module stays the model that checkpoints,
+    exports and weight sync see. By default PackedLogprobsModule(module), the policy's token
+    log-probs."""
     num_parameters = sum(p.numel() for p in module.parameters())
     strategy, stage = deepspeed_config.strategy_for(num_parameters, tc.distributed_strategy, tc.zero_stage)
     if tc.distributed_strategy == "auto" and env.is_main:
         chosen = f"deepspeed ZeRO-{stage}" if strategy == "deepspeed" else strategy
         log.info("distributed_strategy auto: %.2fB parameters -> %s", num_parameters / 1e9, chosen)
     if strategy == "deepspeed":
-        return DeepSpeedEngine(module, tc, env, device, stage)
-    return TorchEngine(module, tc, env, device)
+        return DeepSpeedEngine(module, tc, env, device, stage, forward)
+    return TorchEngine(module, tc, env, device, forward)
 
 
 __all__ = ["DeepSpeedEngine", "TorchEngine", "barrier", "build_engine", "checkpoint_format"]

@@ -19,22 +19,12 @@ import torch
 from tqdm import tqdm
 
 from tandem.algorithms.grpo import grpo_loss
-from tandem.config import Config, ConfigError, config_to_dict, dump_config, validate_batch
+from tandem.config import Config, ConfigError, config_to_dict, validate_batch
 from tandem.distributed.engine import build_engine
-from tandem.distributed.env import (
-    DistEnv,
-    all_reduce_sum,
-    barrier,
-    broadcast_json,
-    init_distributed,
-    main_first,
-    scatter_tensor_dicts,
-    shutdown,
-)
-from tandem.models.loading import load_causal_lm, load_tokenizer
-from tandem.models.lora import apply_lora, is_lora
-from tandem.sampler.rollout import build_rollout, model_kwargs, prompt_stream
+from tandem.distributed.env import DistEnv, all_reduce_sum, broadcast_json, scatter_tensor_dicts
+from tandem.sampler.rollout import build_rollout, prompt_stream
 from tandem.trainer import checkpoint as ckpt
+from tandem.trainer import run
 from tandem.trainer.batching import (
     Sample,
     collate,
@@ -47,14 +37,8 @@ from tandem.trainer.batching import (
 )
 from tandem.trainer.experience import LocalExperience, RemoteExperience
 from tandem.trainer.metrics import MetricsLogger, write_samples
-from tandem.trainer.runtime import (
-    autocast,
-    peak_rss_gb,
-    resolve_device,
-    set_seed,
-    set_threads,
-    tune_allocator,
-)
+from tandem.trainer.run import export_final, load_policy, open_run, run_distributed
+from tandem.trainer.runtime import autocast, peak_rss_gb
 from tandem.types import Group
 
 log = logging.getLogger(__name__)
@@ -85,57 +69,15 @@ def train_grpo(cfg: Config) -> Path:
     torchrun / the deepspeed launcher every rank runs this; rank 0 alone takes groups in,
     splits each optimizer batch across the ranks, logs, saves and publishes weights.
     """
-    set_seed(cfg.seed)
-    set_threads(cfg.training.num_threads)
-    tune_allocator()
-    device = resolve_device(cfg.training.device)
-    env = init_distributed(cfg.training.distributed_strategy, device.type, cfg.training.dist_backend)
-    if device.type == "cuda" and env.active:
-        device = torch.device("cuda", env.local_rank)
-    try:
-        validate_batch(cfg, env.world_size)
-        final = _train(cfg, env, device)
-    except BaseException:
-        shutdown(env, clean=False)
-        raise
-    shutdown(env)
-    return final
+    return run_distributed(cfg, _train)
 
 
 def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
+    validate_batch(cfg, env.world_size)
     run_dir, tc = cfg.run_dir, cfg.training
     checkpoints_dir = run_dir / "checkpoints"
-    start = None
-    if env.is_main:
-        resume_path = ckpt.resolve_resume(tc.resume_from_checkpoint, checkpoints_dir)
-        if resume_path is None and (run_dir / "metrics.jsonl").exists():
-            start = {
-                "error": f"{run_dir} already holds a run: set training.resume_from_checkpoint=latest to "
-                "continue it, or choose another experiment_name"
-            }
-        else:
-            start = {"resume": str(resume_path) if resume_path else None}
-            run_dir.mkdir(parents=True, exist_ok=True)
-            dump_config(cfg, run_dir / "config.yaml")
-    start = broadcast_json(env, start)
-    if "error" in start:
-        raise FileExistsError(start["error"])
-    resume_path = Path(start["resume"]) if start["resume"] else None
-
-    with main_first(env):  # rank 0 converts and caches the embedded model once
-        tokenizer = load_tokenizer(
-            cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code
-        )
-        policy = load_causal_lm(cfg.model.policy, dtype=cfg.model.dtype, **model_kwargs(cfg, device))
-    if cfg.model.lora.enabled:
-        policy = apply_lora(policy, cfg.model.lora)  # only the adapters train
-    if tc.gradient_checkpointing:
-        enable = getattr(policy, "activation_checkpointing_enable", None)
-        if enable is None:  # non-reentrant: DDP and ZeRO hooks see each parameter once
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            enable()
-    policy.config.use_cache = False
+    resume_path = open_run(cfg, env)
+    tokenizer, policy = load_policy(cfg, env, device)
     engine = build_engine(policy, tc, env, device)
     generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
 
@@ -403,33 +345,5 @@ def sample_rows(groups: list[Group], prefill: str) -> list[dict]:
 
 
 def save(checkpoints_dir, step, engine, env, generator, tokenizer, experience, tc) -> None:
-    ckpt.save_checkpoint(
-        checkpoints_dir,
-        step,
-        engine=engine,
-        env=env,
-        trainer_state={"experience": experience.state_dict()} if env.is_main else {},
-        generator=generator,
-        tokenizer=tokenizer,
-    )
-    if env.is_main:
-        ckpt.prune_checkpoints(checkpoints_dir, tc.save_total_limit)
-
-
-def export_final(engine, env: DistEnv, tokenizer, out: Path) -> Path:
-    """The trained policy as an HF folder that AutoModelForCausalLM.from_pretrained loads
-    (under ZeRO-3 every rank helps gather it; rank 0 writes it)."""
-
-    def write(tmp: Path) -> None:
-        model = engine.module
-        if is_lora(model):  # the adapters alone, then the merged model the folder itself holds
-            model.save_pretrained(tmp / "adapter", safe_serialization=True)
-            model = model.merge_and_unload()
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-
-    with engine.gathered():
-        if env.is_main:
-            ckpt.atomic_dir(out, write)
-    barrier(env)
-    return out
+    state = {"experience": experience.state_dict()} if env.is_main else {}
+    run.save(checkpoints_dir, step, engine, env, generator, tokenizer, state, tc.save_total_limit)

@@ -1,0 +1,127 @@
+"""What every training loop does around its loop: process set-up, the run folder, the policy,
+checkpoints and the final export. Each method's loop (grpo, sft, rm, dpo, ppo) calls these.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tandem.config import Config, dump_config
+from tandem.distributed.env import DistEnv, barrier, broadcast_json, init_distributed, main_first, shutdown
+from tandem.models.loading import load_causal_lm, load_tokenizer
+from tandem.models.lora import apply_lora, is_lora
+from tandem.sampler.rollout import model_kwargs
+from tandem.trainer import checkpoint as ckpt
+from tandem.trainer.runtime import resolve_device, set_seed, set_threads, tune_allocator
+
+log = logging.getLogger(__name__)
+
+
+def run_distributed(cfg: Config, train: Callable[[Config, DistEnv, torch.device], Path]) -> Path:
+    """Seeds, threads, device and process group around `train(cfg, env, device)`; under torchrun or
+    the deepspeed launcher every rank calls this. The group is torn down even when training fails."""
+    set_seed(cfg.seed)
+    set_threads(cfg.training.num_threads)
+    tune_allocator()
+    device = resolve_device(cfg.training.device)
+    env = init_distributed(cfg.training.distributed_strategy, device.type, cfg.training.dist_backend)
+    if device.type == "cuda" and env.active:
+        device = torch.device("cuda", env.local_rank)
+    try:
+        final = train(cfg, env, device)
+    except BaseException:
+        shutdown(env, clean=False)
+        raise
+    shutdown(env)
+    return final
+
+
+def open_run(cfg: Config, env: DistEnv) -> Path | None:
+    """Rank 0 creates the run folder and writes config.yaml, or finds the checkpoint to resume;
+    every rank returns that checkpoint (None for a fresh run). A folder that already holds a run
+    is refused unless training.resume_from_checkpoint says to continue it."""
+    run_dir = cfg.run_dir
+    start = None
+    if env.is_main:
+        resume = ckpt.resolve_resume(cfg.training.resume_from_checkpoint, run_dir / "checkpoints")
+        if resume is None and (run_dir / "metrics.jsonl").exists():
+            start = {
+                "error": f"{run_dir} already holds a run: set training.resume_from_checkpoint=latest to "
+                "continue it, or choose another experiment_name"
+            }
+        else:
+            start = {"resume": str(resume) if resume else None}
+            run_dir.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, run_dir / "config.yaml")
+    start = broadcast_json(env, start)
+    if "error" in start:
+        raise FileExistsError(start["error"])
+    return Path(start["resume"]) if start["resume"] else None
+
+
+def load_policy(cfg: Config, env: DistEnv, device: torch.device, loader: Callable = load_causal_lm):
+    """(tokenizer, trainable model): model.policy loaded by `loader`, LoRA applied when enabled,
+    gradient checkpointing and use_cache=False set for training. Rank 0 loads first, so the
+    embedded model is converted and cached once."""
+    with main_first(env):
+        tokenizer = load_tokenizer(
+            cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code
+        )
+        model = loader(cfg.model.policy, dtype=cfg.model.dtype, **model_kwargs(cfg, device))
+    if cfg.model.lora.enabled:
+        model = apply_lora(model, cfg.model.lora)  # only the adapters (and any new head) train
+    if cfg.training.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is None:  # non-reentrant: DDP and ZeRO hooks see each parameter once
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            enable()
+    model.config.use_cache = False
+    return tokenizer, model
+
+
+def save(
+    checkpoints_dir: Path, step: int, engine, env: DistEnv, generator, tokenizer, state: dict, keep: int
+):
+    """An atomic checkpoint (every rank calls this), then the oldest beyond `keep` go."""
+    ckpt.save_checkpoint(
+        checkpoints_dir,
+        step,
+        engine=engine,
+        env=env,
+        trainer_state=state if env.is_main else {},
+        generator=generator,
+        tokenizer=tokenizer,
+    )
+    if env.is_main:
+        ckpt.prune_checkpoints(checkpoints_dir, keep)
+
+
+def export_final(engine, env: DistEnv, tokenizer, out: Path) -> Path:
+    """The trained model as an HF folder that from_pretrained loads (under ZeRO-3 every rank helps
+    gather it; rank 0 writes it). A LoRA model gives its adapters in out/adapter and the merged
+    model in out itself."""
+
+    def write(tmp: Path) -> None:
+        model = engine.module
+        if is_lora(model):
+            model.save_pretrained(tmp / "adapter", safe_serialization=True)
+            model = model.merge_and_unload()
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    with engine.gathered():
+        if env.is_main:
+            ckpt.atomic_dir(out, write)
+    barrier(env)
+    return out
+
+
+def rank_slice(items: list, env: DistEnv) -> list:
+    """This rank's part of a global batch: items rank, rank + world, ... (every rank holds the
+    whole batch, so each also knows the global counts its loss divides by)."""
+    return items[env.rank :: env.world_size]
