@@ -35,6 +35,8 @@ REQUIRED_FIELDS: tuple[str, ...] = (
     "staleness_mean",
     "groups_dropped_stale",
 )
+# what the rows of sft, rm and dpo runs hold at least (each adds its own: eval_loss, accuracy, ...)
+SUPERVISED_FIELDS: tuple[str, ...] = ("step", "epoch", "loss", "grad_norm", "lr", "step_seconds")
 METRICS_FILE = "metrics.jsonl"
 # "jsonl" is always written; naming it (or "none") in report_to is accepted and changes nothing.
 REPORT_TO_CHOICES = ("jsonl", "none", "tensorboard", "wandb")
@@ -103,12 +105,14 @@ class MetricsLogger:
         *,
         resume_step: int | None = None,
         config: dict | None = None,
+        required: tuple[str, ...] = REQUIRED_FIELDS,
     ) -> None:
         unknown = sorted(set(report_to) - set(REPORT_TO_CHOICES))
         if unknown:
             raise ValueError(
                 f"report_to has unknown entries {unknown}; choose from {list(REPORT_TO_CHOICES)}"
             )
+        self.required = required
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -151,8 +155,8 @@ class MetricsLogger:
         return wandb
 
     def log(self, row: dict) -> None:
-        """Write one row; it must hold every key of REQUIRED_FIELDS (extra keys are kept)."""
-        missing = [k for k in REQUIRED_FIELDS if k not in row]
+        """Write one row; it must hold every required key (extra keys are kept)."""
+        missing = [k for k in self.required if k not in row]
         if missing:
             raise KeyError(f"metrics row is missing required fields {missing}")
         safe = to_json_safe(row)
