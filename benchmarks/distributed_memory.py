@@ -5,6 +5,8 @@
 For none (1 process), ddp and DeepSpeed ZeRO-1/2/3 (`--ranks` processes each, gloo on the CPU),
 every rank trains SmolLM2-135M (fp32, AdamW) for a few optimizer steps on the same synthetic
 groups through tandem's real engine and reports:
+- after_engine_gb: RSS once the engine is built, before any step (DeepSpeed has made its fp32
+  partitions and optimizer states by then; torch's AdamW makes its moments at the first step);
 - model_state_gb: RSS after the first optimizer step minus RSS before the model was loaded, i.e.
   what the parameters, gradients and AdamW moments (and the engine's buffers) hold at rest;
 - peak_gb: peak RSS minus that same baseline (adds the activations and transients of a step);
@@ -85,7 +87,9 @@ def worker(out_dir: str, steps: int, overrides: list[str]) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     num_parameters = sum(p.numel() for p in model.parameters())
+    loaded = rss_gb()
     engine = build_engine(model, cfg.training, env, torch.device("cpu"))
+    built = rss_gb()
     g = torch.Generator().manual_seed(0)
     after_first = None
     for step in range(steps):
@@ -115,6 +119,8 @@ def worker(out_dir: str, steps: int, overrides: list[str]) -> None:
         "world_size": env.world_size,
         "num_parameters": num_parameters,
         "model_state_gb": after_first - baseline,
+        "after_load_gb": loaded - baseline,
+        "after_engine_gb": built - baseline,
         "peak_gb": peak - baseline,
     }
     Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(result))
@@ -158,6 +164,7 @@ def main() -> None:
         row = {
             "strategy": strategy,
             "ranks": ranks,
+            "after_engine_gb_per_rank": max(r["after_engine_gb"] for r in rows),
             "model_state_gb_per_rank": max(r["model_state_gb"] for r in rows),
             "peak_gb_per_rank": max(r["peak_gb"] for r in rows),
             "theory_gb_per_rank": theory_bytes(strategy, p, ranks) / 1e9,

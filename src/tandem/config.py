@@ -170,6 +170,7 @@ class DPOConfig:
     label_smoothing: float = 0.0  # conservative DPO: the chance a label is flipped
     reference_logps: str = "precompute"  # precompute (once, before training) | online (every batch)
     max_length: int = 512  # tokens per prompt + answer
+    task: str = "helpful"  # data.dataset=synthetic: helpful | harmless | mixed (Safe-MM-DPO)
     safe_mm: SafeMMConfig = field(default_factory=SafeMMConfig)
 
 
@@ -481,6 +482,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "rm.task": ("helpful", "harmless"),
     "dpo.loss_type": ("sigmoid", "ipo"),
     "dpo.reference_logps": ("precompute", "online"),
+    "dpo.task": ("helpful", "harmless", "mixed"),
     "ppo.kl_mode": ("reward", "loss"),
     "model.dtype": DTYPES,
     "model.attn_implementation": ATTN_IMPLEMENTATIONS,

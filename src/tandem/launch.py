@@ -118,7 +118,8 @@ def plan(
         raise ConfigError("--sampling-devices none: node 0 must run the samplers (give e.g. cpu or 0)")
     base = [sys.executable, "-m", "tandem.cli"]
     head = [config_path] if config_path else []
-    shared = list(overrides)
+    # the method travels with the overrides: `tandem train` and `tandem sample` default to grpo
+    shared = [*overrides, f"method={cfg.method}"]
     if sampling_devices:
         shared.append(f"pipeline.num_samplers={len(sampling_devices)}")
     if cfg.pipeline.trainer_host in ("127.0.0.1", "localhost") and cfg.pipeline.bind_host == "*":

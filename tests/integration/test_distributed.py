@@ -329,3 +329,39 @@ def test_a_deepspeed_checkpoint_refuses_a_torch_resume_clearly(tiny_model_dir, t
     )
     assert proc.returncode != 0
     assert "deepspeed checkpoint" in proc.stderr and "model.policy=" in proc.stderr
+
+
+def test_a_plain_checkpoint_resumes_under_ddp(tiny_model_dir, tmp_path):
+    """Two steps in one plain process, then two more as a 2-rank DDP job from its checkpoint (half
+    the accumulation, so the same global batch): the same weights (to float rounding: the gradient
+    sums are split differently) as four plain steps."""
+    from safetensors.torch import load_file
+
+    plain = ["training.distributed_strategy=none"]
+    for name, steps in (("straight", 4), ("switched", 2)):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                *colocated_args(tmp_path, tiny_model_dir, name, f"training.max_steps={steps}", *plain),
+            ],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    resume = [
+        "training.max_steps=4",
+        "training.resume_from_checkpoint=latest",
+        "training.distributed_strategy=ddp",
+        "training.gradient_accumulation_steps=1",
+    ]
+    torchrun(2, *colocated_args(tmp_path, tiny_model_dir, "switched", *resume))
+    a = load_file(str(tmp_path / "straight" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "switched" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=2e-6, msg=lambda m, k=k: f"{k}: {m}")
+    rows = [json.loads(x) for x in (tmp_path / "switched" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1].get("world_size") == 2

@@ -111,6 +111,8 @@ class Rollout:
             )
         # group statistics live here; batch scaling (if chosen) is redone by the trainer
         scale = "none" if self.scale_rewards == "batch" else self.scale_rewards
+        if self.num_generations == 1:  # PPO's groups of one: advantage 0, no std of a single reward
+            scale = "none"
         advantages = group_advantages(
             torch.tensor([c.reward for c in completions]), self.num_generations, scale=scale, eps=self.adv_eps
         )
@@ -215,9 +217,10 @@ def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_
         if lora.enabled and (policy is not None or lora.sync == "adapter"):
             rollout_model = apply_lora(rollout_model, lora).eval().requires_grad_(False)
     reference = None
-    if cfg.grpo.kl_coef != 0 and is_lora(rollout_model) and not cfg.model.reference:
+    kl_coef = cfg.ppo.kl_coef if cfg.method == "ppo" else cfg.grpo.kl_coef  # no KL: no reference
+    if kl_coef != 0 and is_lora(rollout_model) and not cfg.model.reference:
         reference = BaseOfAdapter(rollout_model)  # the base weights under the adapters: no second copy
-    elif cfg.grpo.kl_coef != 0:
+    elif kl_coef != 0:
 
         def load_reference():
             return load_causal_lm(

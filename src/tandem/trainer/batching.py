@@ -22,6 +22,7 @@ class Sample:
     advantage: float
     policy_version: int
     group_index: int  # samples of one group share a packed row (their prompt is computed once)
+    reward: float = 0.0  # the completion's total reward (PPO scores the sequence with it)
 
 
 @dataclass
@@ -61,6 +62,7 @@ def flatten_groups(
                         advantages[k],
                         g.policy_version,
                         index,
+                        c.reward,
                     )
                 )
             k += 1
@@ -162,6 +164,7 @@ def samples_to_tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
         "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         "policy_versions": ints(s.policy_version for s in samples),
         "group_indices": ints(s.group_index for s in samples),
+        "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
         "has_ref": ints([int(has_ref)]),
     }
 
@@ -181,6 +184,7 @@ def samples_from_tensors(t: dict[str, torch.Tensor]) -> list[Sample]:
                 float(t["advantages"][i]),
                 int(t["policy_versions"][i]),
                 int(t["group_indices"][i]),
+                float(t["rewards"][i]),
             )
         )
         p, c = p + n_prompt, c + n_completion

@@ -10,6 +10,7 @@ import json
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,11 +40,13 @@ def save_checkpoint(
     trainer_state: dict,
     generator: torch.Generator | None = None,
     tokenizer=None,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Every rank calls this. The engine writes its state in its own format (optimizer.pt and
     scheduler.pt, or DeepSpeed's shards under deepspeed/), rank 0 writes the full model as an HF
-    folder (gathered under ZeRO-3), each rank its RNG states; rank 0 renames the folder into
-    place only after every rank has finished writing."""
+    folder (gathered under ZeRO-3) and whatever `write_extra(folder)` adds (PPO's value head),
+    each rank its RNG states; rank 0 renames the folder into place only after every rank has
+    finished writing."""
     final = checkpoints_dir / f"step-{step}"
     tmp = Path(broadcast_json(env, str(temporary_dir(final)) if env.is_main else None))
     try:
@@ -53,6 +56,8 @@ def save_checkpoint(
                 engine.module.save_pretrained(tmp / "model", safe_serialization=True)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp / "model")
+                if write_extra is not None:
+                    write_extra(tmp)
         rng = {"torch": torch.get_rng_state()}
         if generator is not None:
             rng["generator"] = generator.get_state()

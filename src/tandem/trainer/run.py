@@ -85,9 +85,18 @@ def load_policy(cfg: Config, env: DistEnv, device: torch.device, loader: Callabl
 
 
 def save(
-    checkpoints_dir: Path, step: int, engine, env: DistEnv, generator, tokenizer, state: dict, keep: int
+    checkpoints_dir: Path,
+    step: int,
+    engine,
+    env: DistEnv,
+    generator,
+    tokenizer,
+    state: dict,
+    keep: int,
+    write_extra: Callable[[Path], None] | None = None,
 ):
-    """An atomic checkpoint (every rank calls this), then the oldest beyond `keep` go."""
+    """An atomic checkpoint (every rank calls this), then the oldest beyond `keep` go.
+    `write_extra(folder)` adds files of the method's own (PPO's value head) before it commits."""
     ckpt.save_checkpoint(
         checkpoints_dir,
         step,
@@ -96,15 +105,18 @@ def save(
         trainer_state=state if env.is_main else {},
         generator=generator,
         tokenizer=tokenizer,
+        write_extra=write_extra,
     )
     if env.is_main:
         ckpt.prune_checkpoints(checkpoints_dir, keep)
 
 
-def export_final(engine, env: DistEnv, tokenizer, out: Path) -> Path:
+def export_final(
+    engine, env: DistEnv, tokenizer, out: Path, write_extra: Callable[[Path], None] | None = None
+) -> Path:
     """The trained model as an HF folder that from_pretrained loads (under ZeRO-3 every rank helps
     gather it; rank 0 writes it). A LoRA model gives its adapters in out/adapter and the merged
-    model in out itself."""
+    model in out itself; `write_extra(folder)` adds the method's own files (PPO's value head)."""
 
     def write(tmp: Path) -> None:
         model = engine.module
@@ -113,6 +125,8 @@ def export_final(engine, env: DistEnv, tokenizer, out: Path) -> Path:
             model = model.merge_and_unload()
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if write_extra is not None:
+            write_extra(tmp)
 
     with engine.gathered():
         if env.is_main:

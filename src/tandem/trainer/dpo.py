@@ -1,0 +1,448 @@
+"""The DPO loop, and Safe-MM-DPO: preference pairs against a frozen reference, one optimizer step at a time.
+
+Run: `tandem dpo configs/dpo_tiny.yaml` (Safe-MM-DPO: configs/safe_mm_dpo_tiny.yaml; several ranks:
+torchrun ... -m tandem.cli dpo CONFIG). The maths is algorithms/dpo.py; this file feeds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tandem.algorithms.dpo import dpo_loss, safe_mm_margin, sequence_logps
+from tandem.config import Config, ConfigError, config_to_dict
+from tandem.data.preferences import EncodedPair, PreferencePair, encode_pair, load_preferences
+from tandem.distributed.engine import build_engine
+from tandem.distributed.env import DistEnv, all_reduce_sum
+from tandem.models.forward import PackedLogprobsModule, pack_rows
+from tandem.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer
+from tandem.models.lora import BaseOfAdapter, is_lora
+from tandem.models.reward import RewardScorer
+from tandem.sampler.rollout import model_kwargs
+from tandem.trainer import checkpoint as ckpt
+from tandem.trainer import run
+from tandem.trainer.metrics import SUPERVISED_FIELDS, MetricsLogger
+from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
+from tandem.trainer.runtime import autocast
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PairData:
+    """Encoded pairs and what stays fixed while the policy trains, indexed like `pairs`."""
+
+    pairs: list[EncodedPair]
+    pad_id: int  # the token that pads packed rows (never scored)
+    ref_logps: torch.Tensor | None = None  # [N, 2] reference log-probs (chosen, rejected); None = online
+    margins: torch.Tensor | None = None  # [N] Safe-MM-DPO margins; None = plain DPO
+
+
+def train_dpo(cfg: Config) -> Path:
+    """Train, evaluate, checkpoint and export; returns the folder of the final HF model.
+
+    Before the first step: the reward models (Safe-MM-DPO) score every pair once and are freed;
+    with dpo.reference_logps=precompute the reference's log-probs of every pair are computed once
+    too (and that reference freed); with `online` the reference runs on each micro-batch.
+    Under torchrun every rank runs this; rank 0 alone logs and writes."""
+    return run_distributed(cfg, _train)
+
+
+def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
+    check_config(cfg)
+    run_dir, tc = cfg.run_dir, cfg.training
+    checkpoints_dir = run_dir / "checkpoints"
+    resume_path = open_run(cfg, env)
+    tokenizer, policy = load_policy(cfg, env, device)
+    engine = build_engine(policy, tc, env, device)
+
+    train_raw, eval_raw = load_pairs(cfg)
+    pad_id = tokenizer.pad_token_id
+    train = PairData([encode_pair(tokenizer, p, cfg.dpo.max_length) for p in train_raw], pad_id)
+    evals = PairData([encode_pair(tokenizer, p, cfg.dpo.max_length) for p in eval_raw], pad_id)
+    t0 = time.perf_counter()
+    if cfg.dpo.safe_mm.enabled:
+        train.margins = reward_margins(cfg, train_raw, env, device)
+        evals.margins = reward_margins(cfg, eval_raw, env, device) if eval_raw else None
+    # before any update and before a resumed checkpoint is loaded: the policy is still the initial one
+    reference = build_reference(cfg, engine, tokenizer, device)
+    if cfg.dpo.reference_logps == "precompute":
+        with reference_forward(reference, engine) as forward:
+            train.ref_logps = precompute_ref_logps(forward, train, cfg, env, device)
+            if evals.pairs:
+                evals.ref_logps = precompute_ref_logps(forward, evals, cfg, env, device)
+        reference = None  # freed: training needs only the numbers
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if env.is_main:
+        log.info(
+            "%d train / %d eval pairs ready in %.1fs",
+            len(train.pairs),
+            len(evals.pairs),
+            time.perf_counter() - t0,
+        )
+
+    batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
+    steps_per_epoch = math.ceil(len(train.pairs) / batch_size)
+    total_steps = min(tc.max_steps, tc.num_epochs * steps_per_epoch)
+    step = 0
+    if resume_path is not None:
+        state = ckpt.load_checkpoint(resume_path, engine=engine, env=env)
+        check_resume(state, len(train.pairs), batch_size)
+        step = state["step"]
+        if env.is_main:
+            log.info("resumed from %s at step %d", resume_path, step)
+
+    logger = (
+        MetricsLogger(
+            run_dir, tc.report_to, resume_step=step, config=config_to_dict(cfg), required=SUPERVISED_FIELDS
+        )
+        if env.is_main
+        else None
+    )
+    bar = tqdm(total=total_steps, initial=step, desc="dpo", dynamic_ncols=True, disable=not env.is_main)
+    last_saved = step
+    batches: tuple[int, list[list[int]]] = (-1, [])  # (epoch, its batches of pair indices)
+    try:
+        while step < total_steps:
+            row_start = time.perf_counter()
+            epoch, index = divmod(step, steps_per_epoch)
+            if batches[0] != epoch:
+                batches = (epoch, epoch_batches(len(train.pairs), batch_size, epoch, cfg))
+            stats = optimizer_step(engine, train, batches[1][index], reference, cfg, env, device)
+            step += 1
+            row = {"step": step, "epoch": step / steps_per_epoch, **stats}
+            row["step_seconds"] = time.perf_counter() - row_start
+            if evals.pairs and (step == total_steps or (tc.eval_steps and step % tc.eval_steps == 0)):
+                row.update(evaluate(engine, evals, reference, cfg, env, device))
+            if env.is_main:
+                if step % tc.logging_steps == 0 or step == total_steps or "eval_loss" in row:
+                    logger.log(row)
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row['reward_accuracy']:.2f}")
+            if tc.save_steps and step % tc.save_steps == 0:
+                save(
+                    checkpoints_dir,
+                    step,
+                    engine,
+                    env,
+                    tokenizer,
+                    len(train.pairs),
+                    batch_size,
+                    tc.save_total_limit,
+                )
+                last_saved = step
+    finally:
+        bar.close()
+        if logger is not None:
+            logger.close()
+    if last_saved != step:
+        save(checkpoints_dir, step, engine, env, tokenizer, len(train.pairs), batch_size, tc.save_total_limit)
+    return export_final(engine, env, tokenizer, run_dir / "final")
+
+
+def check_config(cfg: Config) -> None:
+    sm = cfg.dpo.safe_mm
+    for key, path, task in (
+        ("helpful_model", sm.helpful_model, "helpful"),
+        ("harmless_model", sm.harmless_model, "harmless"),
+    ):
+        if path is not None and not (Path(path).expanduser() / "config.json").is_file():
+            raise ConfigError(
+                f"`dpo.safe_mm.{key}` is {path!r}, which is not a model folder; train it first with "
+                f"`tandem rm configs/rm_tiny.yaml --task {task}` and give its final/ folder"
+            )
+    if cfg.model.reference_offload and cfg.dpo.reference_logps == "online":
+        raise ConfigError(
+            "`model.reference_offload` with dpo.reference_logps=online would reload the reference for "
+            "every micro-batch; set dpo.reference_logps=precompute, which frees the reference before training"
+        )
+
+
+def check_resume(state: dict, num_pairs: int, batch_size: int) -> None:
+    """The data position of a checkpoint is its step: the data and the batch size must not change."""
+    saved = (state.get("num_train_pairs"), state.get("batch_size"))
+    if saved != (num_pairs, batch_size):
+        raise ConfigError(
+            f"the checkpoint was written with {saved[0]} train pairs in batches of {saved[1]}, this run has "
+            f"{num_pairs} in batches of {batch_size}; resume with the same data.* settings and "
+            "micro_batch_size x gradient_accumulation_steps x ranks, or start a new run"
+        )
+
+
+# --------------------------------------------------------------------------- data
+
+
+def load_pairs(cfg: Config) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    """(train, eval) preference pairs. Eval: data.eval_dataset, else the held-out "test" split of a
+    synthetic or hub set; a local training file without eval_dataset gets no eval."""
+    d = cfg.data
+    train = load_preferences(
+        d.dataset, d.split, task=cfg.dpo.task, num_examples=d.num_examples, seed=cfg.seed
+    )
+    source = d.eval_dataset
+    if source is None and not Path(d.dataset).expanduser().exists():
+        source = d.dataset
+    if source is None or d.num_eval_examples == 0:
+        return train, []
+    evals = load_preferences(
+        source, "test", task=cfg.dpo.task, num_examples=d.num_eval_examples, seed=cfg.seed
+    )
+    return train, evals
+
+
+def epoch_batches(num_pairs: int, batch_size: int, epoch: int, cfg: Config) -> list[list[int]]:
+    """One epoch's optimizer batches of pair indices: a fixed shuffle per (seed, epoch), so a
+    resumed run finds its place from the step alone; the last batch may be short."""
+    order = list(range(num_pairs))
+    if cfg.data.shuffle:
+        random.Random(f"{cfg.seed}/dpo/{epoch}").shuffle(order)
+    return [order[i : i + batch_size] for i in range(0, num_pairs, batch_size)]
+
+
+def rank_micro_batches(
+    batch: list[int], micro_batch_size: int, env: DistEnv
+) -> list[tuple[list[int], float]]:
+    """This rank's (pair indices, weight) micro-batches of a global batch. Every rank runs as many
+    as the fullest rank (rank 0 under the strided split), padding with a weight-0 repeat: DDP and
+    ZeRO reduce or gather inside forward/backward, so the counts must agree."""
+    local = rank_slice(batch, env)
+    num_micro = math.ceil(math.ceil(len(batch) / env.world_size) / micro_batch_size)
+    out = [(local[i : i + micro_batch_size], 1.0) for i in range(0, len(local), micro_batch_size)]
+    while len(out) < num_micro:
+        out.append((out[-1][0] if out else batch[:1], 0.0))
+    return out
+
+
+# --------------------------------------------------------------------------- forwards
+
+
+def pair_logps(
+    forward, pairs: list[EncodedPair], pad_id: int, cfg: Config, device: torch.device
+) -> torch.Tensor:
+    """Sequence log-probs [n, 2] (chosen, rejected): each pair is one packed row
+    [prompt | chosen | rejected], its prompt computed once and each answer seeing only the prompt."""
+    packed = pack_rows([(p.prompt_ids, [p.chosen_ids, p.rejected_ids]) for p in pairs], pad_id).to(device)
+    with autocast(device, cfg.training.mixed_precision):
+        token_logprobs = forward(packed)  # [2n, T]
+    lengths = torch.tensor(packed.completion_lengths, device=token_logprobs.device)
+    positions = torch.arange(token_logprobs.shape[1], device=token_logprobs.device)
+    return sequence_logps(token_logprobs, positions[None, :] < lengths[:, None]).view(-1, 2)
+
+
+def build_reference(cfg: Config, engine, tokenizer, device: torch.device):
+    """The frozen reference. LoRA without model.reference: the base under the adapters (BaseOfAdapter,
+    no second copy). Otherwise model.reference, else the initial policy: the policy itself (None)
+    when log-probs are precomputed before the first update, a frozen eval-mode copy loaded from
+    model.policy when they are computed online."""
+    if is_lora(engine.module) and not cfg.model.reference:
+        return BaseOfAdapter(engine.module)
+    if cfg.model.reference:
+        check_same_tokenizer(
+            tokenizer, load_tokenizer(cfg.model.reference, trust_remote_code=cfg.model.trust_remote_code)
+        )
+    elif cfg.dpo.reference_logps == "precompute":
+        return None
+    return load_causal_lm(
+        cfg.model.reference or cfg.model.policy,
+        dtype=cfg.model.dtype,
+        trainable=False,
+        **model_kwargs(cfg, device),
+    )
+
+
+@contextlib.contextmanager
+def reference_forward(reference, engine):
+    """The reference as forward(packed) -> token log-probs, without gradients. The policy itself or
+    its base runs through engine.model in eval mode (DDP and ZeRO-3 see the forward)."""
+    with torch.no_grad():
+        if reference is not None and not isinstance(reference, BaseOfAdapter):
+            yield PackedLogprobsModule(reference)
+            return
+        was_training = engine.model.training
+        engine.model.eval()
+        try:
+            with reference if reference is not None else contextlib.nullcontext():
+                yield engine.model
+        finally:
+            engine.model.train(was_training)
+
+
+def precompute_ref_logps(
+    forward, data: PairData, cfg: Config, env: DistEnv, device: torch.device
+) -> torch.Tensor:
+    """Reference log-probs [N, 2] of every pair: rank r computes pairs r, r + W, ..., the sum over
+    ranks (each pair non-zero on one rank only, float64: exact) fills in the rest."""
+    out = torch.zeros(len(data.pairs), 2, dtype=torch.float64)
+    for micro, weight in rank_micro_batches(list(range(len(data.pairs))), cfg.training.micro_batch_size, env):
+        logps = pair_logps(forward, [data.pairs[i] for i in micro], data.pad_id, cfg, device)
+        if weight:
+            out[micro] = logps.double().cpu()
+    return torch.tensor(all_reduce_sum(env, out.flatten().tolist()), dtype=torch.float32).view(-1, 2)
+
+
+def reward_margins(
+    cfg: Config, pairs: list[PreferencePair], env: DistEnv, device: torch.device
+) -> torch.Tensor:
+    """Safe-MM-DPO margins [N] (algorithms/dpo.py safe_mm_margin). Each frozen reward model is loaded
+    in eval mode, scores every chosen and rejected answer once (rank r: pairs r, r + W, ...), and is
+    freed before the next. chosen_is_safer comes from the data; where the data does not say, from
+    the harmless model's scores (no harmless model: not safer)."""
+    sm = cfg.dpo.safe_mm
+    num = len(pairs)
+    mine = list(range(env.rank, num, env.world_size))
+    scores = {}
+    for name, path in (("helpful", sm.helpful_model), ("harmless", sm.harmless_model)):
+        local = torch.zeros(num, 2, dtype=torch.float64)
+        if path is not None:
+            scorer = RewardScorer(
+                path,
+                device=device,
+                dtype=cfg.model.dtype,
+                batch_size=2 * cfg.training.micro_batch_size,
+                max_length=cfg.dpo.max_length,
+            )
+            prompts = [pairs[i].prompt for i in mine for _ in range(2)]
+            answers = [a for i in mine for a in (pairs[i].chosen, pairs[i].rejected)]
+            local[mine] = scorer.score(prompts, answers).double().view(-1, 2)
+            del scorer
+            gc.collect()
+        scores[name] = torch.tensor(all_reduce_sum(env, local.flatten().tolist()), dtype=torch.float32).view(
+            -1, 2
+        )
+    helpful, harmless = scores["helpful"], scores["harmless"]
+    safer = torch.tensor(
+        [
+            p.chosen_is_safer if p.chosen_is_safer is not None else bool(harmless[i, 0] > harmless[i, 1])
+            for i, p in enumerate(pairs)
+        ],
+        dtype=torch.bool,
+    )
+    return safe_mm_margin(
+        helpful[:, 0],
+        helpful[:, 1],
+        harmless[:, 0],
+        harmless[:, 1],
+        helpful_weight=sm.helpful_weight,
+        harmless_weight=sm.harmless_weight,
+        safety_margin=sm.safety_margin,
+        chosen_is_safer=safer,
+    )
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def micro_batch_loss(engine, data: PairData, micro: list[int], reference, cfg: Config, device):
+    """(loss mean over the micro-batch, stats) of dpo_loss on the policy's and reference's log-probs."""
+    pairs = [data.pairs[i] for i in micro]
+    if data.ref_logps is not None:
+        ref = data.ref_logps[micro].to(device)
+    else:
+        with reference_forward(reference, engine) as forward:
+            ref = pair_logps(forward, pairs, data.pad_id, cfg, device)
+    policy = pair_logps(engine.model, pairs, data.pad_id, cfg, device)
+    margin = data.margins[micro].to(device) if data.margins is not None else None
+    return dpo_loss(
+        policy[:, 0],
+        policy[:, 1],
+        ref[:, 0],
+        ref[:, 1],
+        beta=cfg.dpo.beta,
+        margin=margin,
+        label_smoothing=cfg.dpo.label_smoothing,
+        loss_type=cfg.dpo.loss_type,
+    )
+
+
+STAT_KEYS = ("loss", "reward_chosen", "reward_rejected", "reward_accuracy", "margin_mean")
+
+
+def _add(sums: list[float], loss: torch.Tensor, stats: dict, data: PairData, micro: list[int]) -> None:
+    n = len(micro)
+    margin = float(data.margins[micro].mean()) if data.margins is not None else 0.0
+    values = (
+        float(loss.detach()),
+        stats["reward_chosen"],
+        stats["reward_rejected"],
+        stats["reward_accuracy"],
+        margin,
+    )
+    for k, value in enumerate(values):
+        sums[k] += value * n
+    sums[-1] += n
+
+
+def _means(sums: list[float], data: PairData, prefix: str = "") -> dict:
+    n = max(sums[-1], 1.0)
+    out = {f"{prefix}{key}": value / n for key, value in zip(STAT_KEYS, sums)}
+    out[f"{prefix}reward_margin"] = out[f"{prefix}reward_chosen"] - out[f"{prefix}reward_rejected"]
+    if data.margins is None:
+        del out[f"{prefix}margin_mean"]
+    return out
+
+
+def optimizer_step(
+    engine, data: PairData, batch: list[int], reference, cfg: Config, env: DistEnv, device
+) -> dict:
+    """One optimizer step on a global batch of pairs; each micro-batch's mean loss is scaled by its
+    share of the GLOBAL pair count, so the summed gradients are the batch mean at any world size."""
+    micro_batches = rank_micro_batches(batch, cfg.training.micro_batch_size, env)
+    engine.model.train()
+    lr = engine.lr()
+    sums = [0.0] * (len(STAT_KEYS) + 1)
+    for i, (micro, weight) in enumerate(micro_batches):
+        with engine.accumulate(last=i == len(micro_batches) - 1):
+            loss, stats = micro_batch_loss(engine, data, micro, reference, cfg, device)
+            engine.backward(loss * (weight * len(micro) / len(batch)))
+        if weight:
+            _add(sums, loss, stats, data, micro)
+    grad_norm = engine.step()
+    return {
+        **_means(all_reduce_sum(env, sums), data),
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "num_pairs": len(batch),
+    }
+
+
+def evaluate(engine, data: PairData, reference, cfg: Config, env: DistEnv, device) -> dict:
+    """eval_loss, eval_reward_accuracy, eval_reward_margin, ... over the held-out pairs (every rank
+    takes a strided part, in eval mode, without gradients)."""
+    t0 = time.perf_counter()
+    sums = [0.0] * (len(STAT_KEYS) + 1)
+    engine.model.eval()
+    with torch.no_grad():
+        for micro, weight in rank_micro_batches(
+            list(range(len(data.pairs))), cfg.training.micro_batch_size, env
+        ):
+            loss, stats = micro_batch_loss(engine, data, micro, reference, cfg, device)
+            if weight:
+                _add(sums, loss, stats, data, micro)
+    engine.model.train()
+    return {**_means(all_reduce_sum(env, sums), data, "eval_"), "eval_seconds": time.perf_counter() - t0}
+
+
+def save(
+    checkpoints_dir: Path,
+    step: int,
+    engine,
+    env: DistEnv,
+    tokenizer,
+    num_pairs: int,
+    batch_size: int,
+    keep: int,
+):
+    # no data state beyond the step: the batches are a function of (seed, epoch), checked on resume
+    state = {"num_train_pairs": num_pairs, "batch_size": batch_size}
+    run.save(checkpoints_dir, step, engine, env, None, tokenizer, state, keep)

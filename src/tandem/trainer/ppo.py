@@ -1,0 +1,420 @@
+"""The PPO training loop (`tandem ppo CONFIG`): take groups, update the policy and its value head,
+publish weights, repeat.
+
+PPO runs on GRPO's sampler/trainer split (trainer/grpo.py, DESIGN.md section 1): samplers (or this
+process, `pipeline.mode: colocated`) generate completions with their sampler (old-policy) and
+reference log-probs and rewards; prompts per step come from `grpo.prompts_per_step`, shared with
+GRPO, and `sampling.num_generations` may be 1. The sampler knows nothing of values:
+**the trainer computes them**, with a value head on the policy's trunk (models/value_head.py), so
+the wire format, the samplers and weight sync stay GRPO's and values always come from the newest
+critic. Per batch of groups, rank 0 splits each optimizer batch across the ranks by whole groups
+(grpo.scatter_share) and every rank, for its share:
+  1. old values V_old: one forward without gradient, before any update of this batch;
+  2. token rewards: the score on the last token, minus kl_coef * (logp_sampler - logp_ref) on every
+     token when ppo.kl_mode=reward (Ziegler et al. 2019); with kl_mode=loss the rewards are the
+     score alone and kl_coef * KL_k3(policy || reference) joins the loss (as GRPO's);
+  3. GAE(gamma, lam) -> advantages, returns; advantages whitened with the mean and variance of the
+     whole batch, all ranks (ppo.whiten_advantages).
+Then ppo.num_iterations passes over the optimizer batches: clipped surrogate (ratio against the
+sampler's log-probs) + vf_coef * clipped value loss, divided by the optimizer batch's global
+number of completion tokens. Checkpoints and final/ hold the policy plus value_head.safetensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tandem.algorithms.ppo import gae, kl_penalized_rewards, ppo_policy_loss, value_loss
+from tandem.config import Config, ConfigError, config_to_dict, validate_batch
+from tandem.distributed.engine import build_engine
+from tandem.distributed.env import DistEnv, all_reduce_sum, broadcast_json
+from tandem.models.value_head import ValueHeadModel
+from tandem.trainer import checkpoint as ckpt
+from tandem.trainer import run
+from tandem.trainer.batching import MicroBatch, Sample, collate, flatten_groups, split_micro_batches
+from tandem.trainer.experience import RemoteExperience
+from tandem.trainer.grpo import (
+    PER_BATCH_TIMES,
+    Share,
+    local_experience,
+    sample_rows,
+    scatter_share,
+    summarize_groups,
+)
+from tandem.trainer.metrics import MetricsLogger, write_samples
+from tandem.trainer.run import export_final, load_policy, open_run, run_distributed
+from tandem.trainer.runtime import autocast, peak_rss_gb
+
+log = logging.getLogger(__name__)
+LOCAL = DistEnv()
+WHITEN_EPS = 1e-8  # as algorithms.ppo.whiten
+
+
+@dataclass
+class Micro:
+    """One micro-batch of this rank's share with its PPO targets, fixed for the whole batch."""
+
+    batch: MicroBatch
+    scores: torch.Tensor  # [B] sequence rewards
+    old_values: torch.Tensor  # [B, T]
+    returns: torch.Tensor  # [B, T]
+    advantages: torch.Tensor  # [B, T], whitened over the whole batch once every rank has its own
+    weight: float  # 0: a stand-in that keeps the ranks' collectives in step (see grpo.optimizer_step)
+
+
+@dataclass
+class OptimizerBatch:
+    """This rank's micro-batches of one optimizer step."""
+
+    micros: list[Micro]
+    num_tokens: float  # completion tokens of the whole optimizer batch, all ranks: the loss divisor
+    num_sequences: int  # sequences of the whole optimizer batch
+
+
+def train_ppo(cfg: Config) -> Path:
+    """Train, checkpoint and export; returns the folder of the final HF model (with its
+    value_head.safetensors). Pipeline modes and ranks as train_grpo."""
+    return run_distributed(cfg, _train)
+
+
+def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
+    validate_batch(cfg, env.world_size)
+    run_dir, tc = cfg.run_dir, cfg.training
+    checkpoints_dir = run_dir / "checkpoints"
+    resume_path = open_run(cfg, env)
+    tokenizer, policy = load_policy(cfg, env, device)
+    forward = ValueHeadModel(policy)
+    engine = build_engine(policy, tc, env, device, forward=forward)
+    generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
+
+    step = 0
+    state = None
+    if resume_path is not None:
+        state = ckpt.load_checkpoint(resume_path, engine=engine, env=env, generator=generator)
+        if engine.format == "torch":  # DeepSpeed's own checkpoint already holds the head
+            forward.load_value_head(resume_path)
+        step = state["step"]
+        if env.is_main:
+            log.info("resumed from %s at step %d", resume_path, step)
+    experience = None
+    if env.is_main:
+        if cfg.pipeline.mode == "colocated":
+            if getattr(engine, "stage", 0) == 3:
+                raise ConfigError(
+                    "`pipeline.mode` is colocated but ZeRO-3 shards the policy across ranks, so rank 0 "
+                    "cannot generate with it; use pipeline.mode=decoupled (or training.zero_stage=2)"
+                )
+            experience = local_experience(cfg, engine.module, tokenizer, generator, device)
+        else:
+            with engine.gathered():
+                experience = RemoteExperience(cfg, run_dir, engine.module)
+        if state is not None:
+            experience.load_state_dict(state["experience"])
+    else:
+        with engine.gathered():  # RemoteExperience publishes the initial weights: ranks gather with it
+            pass
+
+    logger = (
+        MetricsLogger(run_dir, tc.report_to, resume_step=step, config=config_to_dict(cfg))
+        if env.is_main
+        else None
+    )
+    bar = tqdm(total=tc.max_steps, initial=step, desc="ppo", dynamic_ncols=True, disable=not env.is_main)
+    last_saved = step
+    try:
+        while step < tc.max_steps:
+            row_start = time.perf_counter()
+            samples, groups, batch_stats = [], [], {}
+            if env.is_main:
+                groups, batch_stats = experience.next_groups(cfg.grpo.prompts_per_step)
+                batch_stats = {**summarize_groups(groups), **batch_stats}
+                samples = flatten_groups(groups, scale_rewards="none", adv_eps=0.0, skip_zero_variance=False)
+            shares = scatter_batch(env, samples, cfg)
+            batches, target_stats = prepare_batch(engine, shares, cfg, device, env)
+            batch_stats = {**batch_stats, **target_stats}
+            for _ in range(cfg.ppo.num_iterations):
+                for batch in batches:
+                    if step >= tc.max_steps:
+                        break
+                    train_stats = optimizer_step(engine, batch, cfg, device, env)
+                    step += 1
+                    sync_stats = {}
+                    with engine.gathered():
+                        if env.is_main:
+                            # versions between the weights that sampled this batch and the ones updated now
+                            staleness = statistics.fmean(
+                                experience.version - g.policy_version for g in groups
+                            )
+                            sync_stats = experience.on_step(engine.module, step)
+                    if not env.is_main:
+                        continue
+                    now = time.perf_counter()
+                    row = {
+                        "step": step,
+                        "policy_version": min(g.policy_version for g in groups),
+                        "staleness_mean": staleness,
+                        **batch_stats,
+                        **train_stats,
+                        **sync_stats,
+                        "step_seconds": now - row_start,
+                        "peak_rss_gb": peak_rss_gb(),
+                    }
+                    if env.world_size > 1:
+                        row["world_size"] = env.world_size
+                    # a batch's generation and waiting are counted once, in its first step's row
+                    batch_stats = {**batch_stats, **dict.fromkeys(PER_BATCH_TIMES & batch_stats.keys(), 0.0)}
+                    row_start = now
+                    if step % tc.logging_steps == 0 or step == tc.max_steps:
+                        logger.log(row)
+                    bar.update(1)
+                    bar.set_postfix(
+                        reward=f"{row['reward_mean']:.2f}",
+                        vloss=f"{row['value_loss']:.3f}",
+                        ev=f"{row['explained_variance'] or 0:.2f}",
+                        kl=f"{row['kl']:.4f}",
+                        s=f"{row['step_seconds']:.1f}",
+                    )
+            if (
+                env.is_main
+                and tc.sample_log_steps
+                and (step // tc.sample_log_steps > (step - 1) // tc.sample_log_steps or step == 1)
+            ):
+                write_samples(run_dir, step, sample_rows(groups, cfg.data.prefill))
+            if tc.save_steps and step // tc.save_steps > last_saved // tc.save_steps:
+                save(checkpoints_dir, step, engine, forward, env, generator, tokenizer, experience, tc)
+                last_saved = step
+    finally:
+        bar.close()
+        if logger is not None:
+            logger.close()
+        if experience is not None and step < tc.max_steps:
+            experience.close(finished=False)  # interrupted or failed: samplers will see a restarted trainer
+    try:
+        if last_saved != step:
+            save(checkpoints_dir, step, engine, forward, env, generator, tokenizer, experience, tc)
+        return export_final(engine, env, tokenizer, run_dir / "final", write_extra=forward.save_value_head)
+    finally:
+        if experience is not None:
+            experience.close(finished=True)  # samplers stop once the final model is safe
+
+
+def scatter_batch(env: DistEnv, samples: list[Sample], cfg: Config) -> list[Share]:
+    """This rank's share of each optimizer batch of one batch of groups (rank 0 cuts the batch into
+    optimizer batches and splits each by whole groups, as GRPO does; the other ranks pass [])."""
+    tc = cfg.training
+    num_samples = broadcast_json(env, len(samples) if env.is_main else None)
+    batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
+    return [
+        scatter_share(env, samples[first : first + batch_size] if env.is_main else None, cfg)
+        for first in range(0, num_samples, batch_size)
+    ]
+
+
+def padded_micro_batches(share: Share, micro_batch_size: int) -> list[tuple[list[Sample], float]]:
+    """(micro-batch, weight): a short share repeats its last micro-batch with weight 0, so that
+    every rank runs share.num_micro forwards and backwards (DDP's and ZeRO's collectives)."""
+    micro_batches = split_micro_batches(share.samples, micro_batch_size)
+    weights = [0.0 if share.padding else 1.0] * len(micro_batches)
+    while len(micro_batches) < share.num_micro:
+        micro_batches.append(micro_batches[-1])
+        weights.append(0.0)
+    return list(zip(micro_batches, weights))
+
+
+@torch.no_grad()
+def prepare_batch(
+    engine, shares: list[Share], cfg: Config, device: torch.device, env: DistEnv = LOCAL
+) -> tuple[list[OptimizerBatch], dict]:
+    """Old values, token rewards, GAE and whitened advantages for every optimizer batch of one batch
+    of groups, with the current weights (before any update); returns the batches and the batch's
+    value statistics (returns_mean, explained_variance, ...), global over the ranks."""
+    pc, tc = cfg.ppo, cfg.training
+    kl_in_reward = pc.kl_coef if pc.kl_mode == "reward" else 0.0
+    engine.model.eval()
+    batches, local_tokens = [], []
+    # over real tokens of every optimizer batch: n, sum A, sum R, sum R^2, sum (R - V), sum (R - V)^2, sum V
+    sums = [0.0] * 7
+    for share in shares:
+        micros = []
+        for samples, weight in padded_micro_batches(share, tc.micro_batch_size):
+            mb = collate(samples).to(device)
+            mask = mb.completion_mask
+            with autocast(device, tc.mixed_precision):
+                _, old_values = engine.model(mb.packed, temperature=cfg.sampling.temperature)
+            old_values = old_values.float() * mask
+            scores = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device)
+            rewards = kl_penalized_rewards(
+                scores, mb.sampler_logprobs, reference_logprobs(mb, pc.kl_coef), mask, kl_coef=kl_in_reward
+            )
+            advantages, returns = gae(rewards, old_values, mask, gamma=pc.gamma, lam=pc.lam)
+            micros.append(Micro(mb, scores, old_values, returns, advantages, weight))
+            if weight:
+                keep = mask.double()
+                residual = (returns - old_values).double()
+                for k, value in enumerate(
+                    (
+                        keep.sum(),
+                        (advantages.double() * keep).sum(),
+                        (returns.double() * keep).sum(),
+                        (returns.double() ** 2 * keep).sum(),
+                        (residual * keep).sum(),
+                        (residual**2 * keep).sum(),
+                        (old_values.double() * keep).sum(),
+                    )
+                ):
+                    sums[k] += float(value)
+        local_tokens.append(sum(float(m.batch.completion_mask.sum()) for m in micros if m.weight))
+        batches.append(OptimizerBatch(micros, 0.0, share.num_global))
+    reduced = all_reduce_sum(env, [*local_tokens, *sums])
+    for batch, num_tokens in zip(batches, reduced[: len(batches)]):
+        batch.num_tokens = num_tokens
+    n, adv_sum, ret_sum, ret_sq, res_sum, res_sq, value_sum = reduced[len(batches) :]
+    n = max(n, 1.0)
+    stats = {
+        "returns_mean": ret_sum / n,
+        "values_mean": value_sum / n,
+        "advantages_mean": adv_sum / n,
+        "explained_variance": explained_variance(ret_sum / n, ret_sq / n, res_sum / n, res_sq / n),
+    }
+    if pc.whiten_advantages:
+        whiten_global(batches, adv_sum / n, n, env)
+    return batches, stats
+
+
+def whiten_global(batches: list[OptimizerBatch], mean: float, n: float, env: DistEnv) -> None:
+    """algorithms.ppo.whiten over the whole batch on every rank: (A - mean) / sqrt(var + eps) with the
+    mean and population variance of every real token of every rank (two passes, as whiten does)."""
+    micros = [m for b in batches for m in b.micros]
+    squares = sum(
+        float((((m.advantages.double() - mean) ** 2) * m.batch.completion_mask.double()).sum())
+        for m in micros
+        if m.weight
+    )
+    (squares,) = all_reduce_sum(env, [squares])
+    scale = (squares / n + WHITEN_EPS) ** -0.5
+    for m in micros:
+        m.advantages = (m.advantages - mean) * scale * m.batch.completion_mask
+
+
+def explained_variance(ret_mean: float, ret_sq_mean: float, res_mean: float, res_sq_mean: float) -> float:
+    """1 - Var(R - V_old) / Var(R) over the batch's tokens: 1 = the critic predicts the returns,
+    0 = no better than their mean; NaN (logged as null) when the returns do not vary."""
+    var_returns = ret_sq_mean - ret_mean**2
+    if var_returns <= 1e-12:
+        return float("nan")
+    return 1.0 - (res_sq_mean - res_mean**2) / var_returns
+
+
+def reference_logprobs(mb: MicroBatch, kl_coef: float) -> torch.Tensor:
+    """The reference's log-probs; without a reference (the sampler loads none when the KL weight is
+    0) the sampler's stand in, which makes every KL term 0."""
+    if mb.ref_logprobs is not None:
+        return mb.ref_logprobs
+    if kl_coef != 0:
+        raise ConfigError(
+            "`ppo.kl_coef` is not 0 but the groups carry no reference log-probs; were the samplers "
+            "started with another config? Start them with this one (method: ppo), or set ppo.kl_coef=0"
+        )
+    return mb.sampler_logprobs
+
+
+def optimizer_step(
+    engine, batch: OptimizerBatch, cfg: Config, device: torch.device, env: DistEnv = LOCAL
+) -> dict:
+    """Gradient accumulation over this rank's micro-batches of one optimizer batch, one step.
+
+    loss = [sum_t clipped surrogate + vf_coef * clipped value loss (+ kl_coef * KL_k3 when
+    kl_mode=loss)] / tokens of the whole optimizer batch, so accumulation and world size leave the
+    update unchanged."""
+    pc, tc = cfg.ppo, cfg.training
+    lr = engine.lr()
+    t0 = time.perf_counter()
+    engine.model.train()
+    # loss, policy loss, value loss, then token-weighted: kl, clip, approx_kl, ratio dev, vf clip, n
+    sums = [0.0] * 9
+    for i, m in enumerate(batch.micros):
+        mb, mask = m.batch, m.batch.completion_mask
+        with engine.accumulate(last=i == len(batch.micros) - 1):
+            with autocast(device, tc.mixed_precision):
+                logprobs, values = engine.model(mb.packed, temperature=cfg.sampling.temperature)
+            policy_loss, ps = ppo_policy_loss(
+                logprobs,
+                mb.sampler_logprobs,
+                m.advantages,
+                mask,
+                clip_eps=pc.clip_eps,
+                normalizer=batch.num_tokens,
+            )
+            v_loss, vs = value_loss(
+                values.float(),
+                m.old_values,
+                m.returns,
+                mask,
+                clip_eps=pc.value_clip_eps,
+                normalizer=batch.num_tokens,
+            )
+            # Schulman's k3 estimate of KL(policy || reference) per token, >= 0 (as GRPO's loss)
+            ref_diff = reference_logprobs(mb, pc.kl_coef) - logprobs
+            kl = (torch.exp(ref_diff) - ref_diff - 1.0) * mask
+            loss = policy_loss + pc.vf_coef * v_loss
+            if pc.kl_mode == "loss":
+                loss = loss + pc.kl_coef * kl.sum() / batch.num_tokens
+            engine.backward(loss * m.weight)
+        if m.weight:
+            n = ps["num_tokens"]
+            ratio_dev = float(((torch.exp(logprobs.detach() - mb.sampler_logprobs) - 1.0).abs() * mask).sum())
+            for k, value in enumerate(
+                (
+                    float(loss.detach()),
+                    float(policy_loss.detach()),
+                    float(v_loss.detach()),
+                    float(kl.detach().sum()),
+                    ps["clip_fraction"] * n,
+                    ps["approx_kl"] * n,
+                    ratio_dev,
+                    vs["value_clip_fraction"] * n,
+                    n,
+                )
+            ):
+                sums[k] += value
+    t1 = time.perf_counter()
+    grad_norm = engine.step()
+    loss, p_loss, v_loss, kl, clip, approx_kl, ratio_dev, vf_clip, n = all_reduce_sum(env, sums)
+    n = max(n, 1.0)
+    return {
+        "loss": loss,
+        "policy_loss": p_loss,
+        "value_loss": v_loss,
+        "kl": kl / n,
+        "clip_fraction": clip / n,
+        "approx_kl": approx_kl / n,
+        "ratio_abs_dev": ratio_dev / n,
+        "vf_clip_fraction": vf_clip / n,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "num_train_sequences": batch.num_sequences,
+        "time_train": t1 - t0,
+        "time_optimizer": time.perf_counter() - t1,
+    }
+
+
+def save(checkpoints_dir, step, engine, forward, env, generator, tokenizer, experience, tc) -> None:
+    state = {"experience": experience.state_dict()} if env.is_main else {}
+    run.save(
+        checkpoints_dir,
+        step,
+        engine,
+        env,
+        generator,
+        tokenizer,
+        state,
+        tc.save_total_limit,
+        write_extra=forward.save_value_head,
+    )

@@ -1,0 +1,300 @@
+"""The SFT loop: epochs over shuffled examples, the masked next-token loss, eval loss and perplexity.
+
+Run: `tandem sft configs/sft_tiny.yaml [key=value ...]` (under torchrun or the deepspeed launcher
+for several ranks). An optimizer step takes micro_batch_size x gradient_accumulation_steps x
+world_size examples; each rank takes its rank_slice, and the loss of every micro-batch is divided
+by the loss tokens of the whole step, so the update does not depend on how the batch is cut.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tandem.algorithms.sft import sft_loss
+from tandem.config import Config, ConfigError, config_to_dict
+from tandem.data.sft import EncodedExample, PromptStyle, encode_examples, load_sft_splits
+from tandem.distributed.engine import build_engine
+from tandem.distributed.env import DistEnv, all_reduce_sum
+from tandem.models.forward import PackedRows
+from tandem.trainer import checkpoint as ckpt
+from tandem.trainer import run
+from tandem.trainer.metrics import SUPERVISED_FIELDS, MetricsLogger
+from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
+from tandem.trainer.runtime import autocast
+
+log = logging.getLogger(__name__)
+LOCAL = DistEnv()
+
+
+def train_sft(cfg: Config) -> Path:
+    """Train, evaluate, checkpoint and export; returns the folder of the final HF model (a LoRA
+    run: adapters in final/adapter, the merged model in final/)."""
+    return run_distributed(cfg, _train)
+
+
+def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
+    tc = cfg.training
+    checkpoints_dir = cfg.run_dir / "checkpoints"
+    resume_path = open_run(cfg, env)
+    tokenizer, policy = load_policy(cfg, env, device)
+    train_set, eval_set = load_data(cfg, tokenizer)
+    batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
+    steps_per_epoch = len(train_set) // batch_size  # the last partial batch of an epoch is left out
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"`data.num_examples`: {len(train_set)} training examples do not fill one optimizer step of "
+            f"training.micro_batch_size x gradient_accumulation_steps x {env.world_size} ranks = "
+            f"{batch_size}; use more examples or a smaller batch"
+        )
+    num_steps = min(tc.max_steps, tc.num_epochs * steps_per_epoch)
+    engine = build_engine(policy, tc, env, device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # pads are never attended
+
+    step = 0
+    if resume_path is not None:
+        state = ckpt.load_checkpoint(resume_path, engine=engine, env=env)
+        step = state["step"]
+        if (state["num_train_examples"], state["batch_size"]) != (len(train_set), batch_size):
+            raise ConfigError(
+                f"training.resume_from_checkpoint: {resume_path} was saved with {state['num_train_examples']} "
+                f"training examples and global batch {state['batch_size']}, this run has {len(train_set)} "
+                f"and {batch_size}; resume with the same data and micro x accumulation x ranks"
+            )
+        if env.is_main:
+            log.info("resumed from %s at step %d (epoch %d)", resume_path, step, state["epoch"])
+
+    logger = (
+        MetricsLogger(
+            cfg.run_dir,
+            tc.report_to,
+            resume_step=step,
+            config=config_to_dict(cfg),
+            required=SUPERVISED_FIELDS,
+        )
+        if env.is_main
+        else None
+    )
+    # the baseline the run improves on, reported in the first row
+    initial = evaluate(engine, eval_set, cfg, device, env, pad_id) if step == 0 else {}
+    initial = {f"{k}_initial": v for k, v in initial.items()}
+    if initial and env.is_main:
+        log.info("eval loss before training %.4f", initial["eval_loss_initial"])
+    bar = tqdm(total=num_steps, initial=step, desc="sft", dynamic_ncols=True, disable=not env.is_main)
+    last_saved, order_epoch, order = step, -1, []
+    try:
+        while step < num_steps:
+            t0 = time.perf_counter()
+            epoch, index = divmod(step, steps_per_epoch)
+            if epoch != order_epoch:
+                order, order_epoch = epoch_order(len(train_set), epoch, cfg.seed, cfg.data.shuffle), epoch
+            batch = [train_set[i] for i in order[index * batch_size : (index + 1) * batch_size]]
+            row = optimizer_step(engine, batch, cfg, device, env, pad_id)
+            step += 1
+            row = {"step": step, "epoch": step / steps_per_epoch, **row, **initial}
+            row["step_seconds"], initial = time.perf_counter() - t0, {}
+            if (tc.eval_steps and step % tc.eval_steps == 0) or step == num_steps:
+                t1 = time.perf_counter()
+                row.update(evaluate(engine, eval_set, cfg, device, env, pad_id))
+                row["time_eval"] = time.perf_counter() - t1
+            if tc.save_steps and step % tc.save_steps == 0:
+                save(checkpoints_dir, step, engine, env, tokenizer, steps_per_epoch, len(train_set), tc)
+                last_saved = step
+            if not env.is_main:
+                continue
+            if env.world_size > 1:
+                row["world_size"] = env.world_size
+            if step % tc.logging_steps == 0 or step == num_steps or "eval_loss" in row:
+                logger.log(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", s=f"{row['step_seconds']:.1f}")
+    finally:
+        bar.close()
+        if logger is not None:
+            logger.close()
+    if last_saved != step:
+        save(checkpoints_dir, step, engine, env, tokenizer, steps_per_epoch, len(train_set), tc)
+    return export_final(engine, env, tokenizer, cfg.run_dir / "final")
+
+
+def load_data(cfg: Config, tokenizer) -> tuple[list[EncodedExample], list[EncodedExample]]:
+    """(train, eval) token ids with loss masks; every rank builds the same lists (seeded)."""
+    d, sft = cfg.data, cfg.sft
+    train, held_out = load_sft_splits(
+        tokenizer,
+        d.dataset,
+        split=d.split,
+        num_examples=d.num_examples,
+        eval_dataset=d.eval_dataset,
+        num_eval_examples=d.num_eval_examples,
+        seed=cfg.seed,
+        difficulty=d.difficulty,
+        style=PromptStyle(d.system_prompt, d.num_shots, d.prefill),
+    )
+    kw = dict(max_length=sft.max_length, completion_only_loss=sft.completion_only_loss)
+    return (
+        encode_examples(tokenizer, train, what="train", **kw),
+        encode_examples(tokenizer, held_out, what="eval", **kw),
+    )
+
+
+def epoch_order(num_examples: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    """The example order of one epoch, a function of (seed, epoch) alone: a resumed run finds its
+    place from the step number."""
+    order = list(range(num_examples))
+    if shuffle:
+        random.Random(f"sft/{seed}/{epoch}").shuffle(order)
+    return order
+
+
+def optimizer_step(
+    engine,
+    batch: list[EncodedExample],
+    cfg: Config,
+    device: torch.device,
+    env: DistEnv = LOCAL,
+    pad_id: int = 0,
+) -> dict:
+    """Gradient accumulation over this rank's micro-batches of the global `batch`, each loss divided
+    by the loss tokens of the whole batch (every rank holds it, so that count needs no collective),
+    clipping, one optimizer step."""
+    tc = cfg.training
+    num_tokens = sum(e.num_targets for e in batch)
+    mine = rank_slice(batch, env)
+    assert len(mine) == tc.micro_batch_size * tc.gradient_accumulation_steps, "global batch not divisible"
+    lr = engine.lr()
+    engine.model.train()
+    loss_sum = 0.0
+    for i in range(tc.gradient_accumulation_steps):
+        micro = mine[i * tc.micro_batch_size : (i + 1) * tc.micro_batch_size]
+        packed, loss_mask = collate(micro, pad_id, packing=cfg.sft.packing, row_length=cfg.sft.max_length)
+        with engine.accumulate(last=i == tc.gradient_accumulation_steps - 1):
+            with autocast(device, tc.mixed_precision):
+                token_logprobs = engine.model(packed.to(device))
+            loss, _ = sft_loss(token_logprobs, loss_mask.to(device), normalizer=num_tokens)
+            engine.backward(loss)
+        loss_sum += float(loss.detach())
+    grad_norm = engine.step()
+    (loss_global,) = all_reduce_sum(env, [loss_sum])
+    return {
+        "loss": loss_global,  # the token mean over the whole batch
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "tokens": num_tokens,
+        "input_tokens": sum(len(e.input_ids) for e in batch),
+    }
+
+
+@torch.no_grad()
+def evaluate(
+    engine,
+    examples: list[EncodedExample],
+    cfg: Config,
+    device: torch.device,
+    env: DistEnv = LOCAL,
+    pad_id: int = 0,
+) -> dict:
+    """eval_loss, the token-mean NLL of `examples` (ranks split them), and eval_perplexity = exp of it."""
+    if not examples:
+        return {}
+    micro_size = cfg.training.micro_batch_size
+    mine = rank_slice(examples, env)
+    # every rank runs the same number of forwards (DDP syncs buffers and ZeRO-3 gathers parameters
+    # in forward): a rank short of examples repeats one with weight 0
+    num_micro = math.ceil(math.ceil(len(examples) / env.world_size) / micro_size)
+    engine.model.eval()
+    nll_sum, num_tokens = 0.0, 0.0
+    for k in range(num_micro):
+        micro = mine[k * micro_size : (k + 1) * micro_size]
+        packed, loss_mask = collate(
+            micro or examples[:1], pad_id, packing=cfg.sft.packing, row_length=cfg.sft.max_length
+        )
+        with autocast(device, cfg.training.mixed_precision):
+            token_logprobs = engine.model(packed.to(device))
+        _, stats = sft_loss(token_logprobs, loss_mask.to(device))
+        if micro:
+            nll_sum += stats["nll_sum"]
+            num_tokens += stats["num_tokens"]
+    engine.model.train()
+    nll_sum, num_tokens = all_reduce_sum(env, [nll_sum, num_tokens])
+    eval_loss = nll_sum / num_tokens
+    return {"eval_loss": eval_loss, "eval_perplexity": math.exp(eval_loss)}
+
+
+def collate(
+    examples: list[EncodedExample], pad_id: int, *, packing: bool, row_length: int
+) -> tuple[PackedRows, torch.Tensor]:
+    """A micro-batch's model input and its loss mask [N, T] (N examples, T the longest minus one):
+    one example per padded row, or (packing) examples placed first-fit, longest first, into rows of
+    at most row_length tokens. The mask rows follow the order of the log-probs, examples row by row."""
+    if packing:
+        rows: list[list[EncodedExample]] = []
+        room: list[int] = []
+        for e in sorted(examples, key=lambda e: len(e.input_ids), reverse=True):
+            r = next((r for r, free in enumerate(room) if free >= len(e.input_ids)), None)
+            if r is None:
+                rows.append([])
+                room.append(max(row_length, len(e.input_ids)))
+                r = len(rows) - 1
+            rows[r].append(e)
+            room[r] -= len(e.input_ids)
+    else:
+        rows = [[e] for e in examples]
+    ordered = [e for row in rows for e in row]
+    loss_mask = torch.zeros(len(ordered), max(len(e.input_ids) for e in ordered) - 1)
+    for k, e in enumerate(ordered):
+        loss_mask[k, : len(e.input_ids) - 1] = torch.tensor(e.loss_mask[1:], dtype=torch.float32)
+    return pack_examples([[e.input_ids for e in row] for row in rows], pad_id), loss_mask
+
+
+def pack_examples(rows: list[list[list[int]]], pad_id: int = 0) -> PackedRows:
+    """rows: the token ids of the examples each row holds -> PackedRows whose "completions" are the
+    examples minus their first token. Attention is causal within an example only (block-diagonal)
+    and position ids restart at 0 for each, so every token is scored as if its example were alone,
+    and packed_logprobs gives [num_examples, longest - 1] however the examples share rows."""
+    width = max(sum(len(ids) for ids in row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    segment = torch.full((len(rows), width), -1, dtype=torch.long)  # pads: -1, they see only pads
+    pred_rows, pred_cols, targets, lengths = [], [], [], []
+    for r, row in enumerate(rows):
+        start = 0
+        for k, ids in enumerate(row):
+            n = len(ids)
+            input_ids[r, start : start + n] = torch.tensor(ids, dtype=torch.long)
+            position_ids[r, start : start + n] = torch.arange(n)
+            segment[r, start : start + n] = k
+            pred_rows += [r] * (n - 1)
+            pred_cols += range(start, start + n - 1)  # token t is predicted at the column of token t-1
+            targets += ids[1:]
+            lengths.append(n - 1)
+            start += n
+    q = torch.arange(width)
+    causal = q[None, :] <= q[:, None]  # [L(query), L(key)]
+    same = segment[:, None, :] == segment[:, :, None]  # [R, Lq, Lk]
+    return PackedRows(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=(causal[None] & same)[:, None],
+        predict_rows=torch.tensor(pred_rows, dtype=torch.long),
+        predict_cols=torch.tensor(pred_cols, dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long),
+        completion_lengths=lengths,
+    )
+
+
+def save(checkpoints_dir, step, engine, env, tokenizer, steps_per_epoch, num_train_examples, tc) -> None:
+    epoch, index = divmod(step, steps_per_epoch)
+    state = {
+        "epoch": epoch,
+        "batch_in_epoch": index,  # the data position; epoch_order(seed, epoch) gives the order
+        "num_train_examples": num_train_examples,
+        "batch_size": tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size,
+    }
+    run.save(checkpoints_dir, step, engine, env, None, tokenizer, state, tc.save_total_limit)
