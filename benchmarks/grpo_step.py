@@ -1,13 +1,16 @@
 """GRPO step time and peak memory on the embedded default, in TRL's benchmark setting.
 
-  .venv/bin/python benchmarks/grpo_step.py [--steps 5] [--skip-anchor]
+  .venv/bin/python benchmarks/grpo_step.py [--steps 5] [--skip-anchor] [--trl-python .venv-trl/bin/python]
 
 Setting (as the TRL 1.16 GRPOTrainer peer run): SmolLM2-135M-Instruct fp32, 8 prompts x 4
 completions, 128 new tokens, the tag format in the system prompt only (no example, no prefill),
 kl_coef 0.04 (a reference forward every step), lr 1e-6, gradient checkpointing. Our loop runs in a
 child process so its peak RSS is its own. In the same sitting, a plain `transformers.generate`
 (batch 32, 128 tokens, fp32) measures how fast this machine is against the one TRL was measured on
-(137 tok/s there), so the TRL figures can be compared fairly. Writes benchmarks/results/grpo_step.json.
+(137 tok/s there), so the TRL figures can be compared fairly. With --trl-python (a venv that has
+TRL, see benchmarks/trl_grpo_step.py) TRL's GRPOTrainer runs the same setting right after ours, in
+the same sitting, and the ratios are taken between the two measurements.
+Writes benchmarks/results/grpo_step.json.
 """
 
 from __future__ import annotations
@@ -104,6 +107,25 @@ print(32 * 128 / dt)
 """
 
 
+def run_trl(python: str, steps: int, tmp: Path) -> dict:
+    """TRL's GRPOTrainer on the same setting, in its own venv (benchmarks/trl_grpo_step.py)."""
+    from tandem.models.loading import resolve_model_path
+
+    out = tmp / "trl.json"
+    cmd = [
+        python,
+        str(HERE / "trl_grpo_step.py"),
+        resolve_model_path("embedded"),
+        str(out),
+        "--steps",
+        str(steps),
+    ]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    result = json.loads(out.read_text())
+    result.pop("log_history", None)
+    return result
+
+
 def run_anchor() -> float:
     out = subprocess.run([sys.executable, "-c", ANCHOR], check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
@@ -118,12 +140,20 @@ def main() -> None:
         "--skip-anchor", action="store_true", help="skip the HF generate machine-speed anchor"
     )
     parser.add_argument("--out", default=str(HERE / "results" / "grpo_step.json"))
+    parser.add_argument("--trl-python", help="python of a venv with TRL: measure TRL side by side")
     parser.add_argument("overrides", nargs="*", help="more key=value settings for our run")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         ours = run_ours(args.steps, Path(tmp), args.overrides)
+        trl = run_trl(args.trl_python, args.steps, Path(tmp)) if args.trl_python else None
     result = {"setting": OVERRIDES + args.overrides, "ours": ours, "trl_1_16_peer": TRL}
+    if trl is not None:
+        result["trl_measured_here"] = trl
+        result["measured_side_by_side"] = {
+            "step_time_vs_trl": ours["step_seconds"] / trl["step_seconds"],
+            "peak_rss_vs_trl": ours["peak_rss_gb"] / trl["peak_rss_gb"],
+        }
     speed = 1.0
     if not args.skip_anchor:
         anchor = run_anchor()

@@ -12,7 +12,9 @@ import datetime
 import json
 import os
 import socket
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -87,6 +89,18 @@ def shutdown(env: DistEnv, *, clean: bool = True) -> None:
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+    _remove_deepspeed_shm(env)
+
+
+def _remove_deepspeed_shm(env: DistEnv) -> None:
+    """DeepSpeed's CPU all-reduce maps one /dev/shm workspace per rank and never unlinks it (about
+    70 MB each, left behind by every run). Every peer mapped it at start-up, so this rank removes its
+    own once it leaves; the name is DeepSpeed's: <prefix>_<uid>_<master addr>_<master port>_<rank>."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (env.active and addr and port and "deepspeed" in sys.modules):
+        return
+    path = Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{env.rank}"
+    path.unlink(missing_ok=True)
 
 
 def barrier(env: DistEnv) -> None:
