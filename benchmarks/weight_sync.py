@@ -12,7 +12,11 @@ median of `--repeats` (after one warm-up):
     freshly allocated one, which also pays the page faults a new buffer costs);
 (b) `zmq`: trainer `take_snapshot` + `WeightServer.publish`; a spawned sampler process long-polls
     `WeightClient.status`, then `fetch` + `load_weights` into its model, over the trainer's ipc twin
-    of its TCP port (what a sampler on the same host uses), snapshot buffers reused as the trainer does;
+    of its TCP port, snapshot buffers reused as the trainer does: chunks sent over a socket, what a
+    sampler on another host gets (at its network's speed);
+    `zmq_shared`: the same, with the snapshot buffers in /dev/shm files as tandem's trainer keeps
+    them, and the sampler asking to be lent the snapshot (what a sampler on the trainer's host does):
+    it maps the file and loads from it, no bytes sent;
 (c) `fs`: `take_snapshot` + `FsWeightWriter.publish` (write, fsync, rename, prune); the sampler polls
     `FsWeightReader.status`, then `fetch` + `load_weights`; in /dev/shm (if present) and in /tmp;
 (d) torch.distributed gloo broadcast of the same bytes between 2 processes (bytes only: no
@@ -50,6 +54,7 @@ from tandem.transport.weights import (
     WeightServer,
     load_weights,
     new_run_id,
+    shared_prefix,
     sync_address,
 )
 from tandem.transport.wire import WEIGHT_DTYPES
@@ -142,18 +147,20 @@ def sampler_main(conn, method: str, where: str, model_kind: str, num_rounds: int
     """Child process: the sampler side, one round per published version."""
     del tune  # the sampler worker leaves glibc malloc alone (received chunks reuse warm pages)
     model = build_model(model_kind)
-    source = WeightClient(where) if method == "zmq" else FsWeightReader(where)
+    shared = method == "zmq_shared"
+    source = WeightClient(where) if method.startswith("zmq") else FsWeightReader(where)
     for version in range(num_rounds):
         conn.send("ready")
         status = source.status(newer_than=version - 1, wait_s=120.0)
         assert status is not None and status.version >= version, status
         seen = time.monotonic()
-        got = source.fetch(timeout_s=120.0)
+        got = source.fetch(timeout_s=120.0, shared=True) if shared else source.fetch(timeout_s=120.0)
         assert got is not None, "no weights fetched"
         fetched = time.monotonic()
         manifest, flat = got
         load_weights(model, flat, manifest)
         loaded = time.monotonic()
+        assert not shared or source.lease_held(), "the lease ran out before the load finished"
         marker = float(first_param(model).detach().view(-1)[0])
         conn.send(
             {
@@ -170,7 +177,7 @@ def sampler_main(conn, method: str, where: str, model_kind: str, num_rounds: int
 def measure_method(method: str, where: str, model: torch.nn.Module, args: argparse.Namespace) -> dict:
     """Publish warm-up + `repeats` versions and time each until the sampler has loaded it."""
     run_id = new_run_id()
-    if method == "zmq":
+    if method.startswith("zmq"):
         port = free_tcp_port()
         publisher = WeightServer(f"tcp://127.0.0.1:{port}", run_id=run_id)
         address = sync_address("127.0.0.1", port)  # what a sampler on this host uses (ipc twin)
@@ -186,7 +193,7 @@ def measure_method(method: str, where: str, model: torch.nn.Module, args: argpar
     )
     process.start()
     rows = []
-    buffers = SnapshotBuffers()
+    buffers = SnapshotBuffers(shared_prefix=shared_prefix(run_id) if method == "zmq_shared" else None)
     try:
         for version in range(num_rounds):
             assert conn.recv() == "ready"
@@ -223,6 +230,7 @@ def measure_method(method: str, where: str, model: torch.nn.Module, args: argpar
         if process.is_alive():
             process.terminate()
         publisher.close()
+        buffers.close()
     timed = median_of(rows[1:])
     return {
         **timed,
@@ -299,6 +307,8 @@ def main() -> None:
     nbytes = sync_bytes(model, args.sync_dtype)
     results = {"copy": measure_copy(nbytes, args.repeats)}
     results["zmq"] = measure_method("zmq", "", model, args)
+    if shared_prefix("x") is not None:
+        results["zmq_shared"] = measure_method("zmq_shared", "", model, args)
     places = {"shm": "/dev/shm", "disk": "/tmp"} if os.path.isdir("/dev/shm") else {"disk": "/tmp"}
     for label, parent in places.items():
         with tempfile.TemporaryDirectory(prefix="tandem-weights-", dir=parent) as tmp:
@@ -341,7 +351,7 @@ def main() -> None:
         f"  copy anchor      {copy['seconds']:.3f} s  {copy['gb_s']:5.2f} GB/s   "
         f"(into a fresh buffer {copy['fresh_buffer_seconds']:.3f} s)"
     )
-    for name in ("zmq", *(f"fs_{label}" for label in places)):
+    for name in [n for n in ("zmq", "zmq_shared") if n in results] + [f"fs_{label}" for label in places]:
         r = results[name]
         print(
             f"  {name:<16} {r['latency']:.3f} s  {r['gb_s']:5.2f} GB/s   x{ratios[name + '_vs_copy']:5.1f} copy  "

@@ -175,6 +175,8 @@ def test_strictly_on_policy_ratio_is_one(make_run):
     assert all(r["ratio_abs_dev"] < 1e-5 for r in rows), [r["ratio_abs_dev"] for r in rows]
     assert all(r["clip_fraction"] == 0 for r in rows)
     assert rows[-1]["grad_norm"] > 0
+    # the sampler on this host was lent each version's shared snapshot file: no chunk was sent
+    assert rows[-1]["weights_lent"] >= 3 and rows[-1]["weights_sent"] == 0, rows[-1]
 
 
 def test_two_samplers_feed_one_trainer_and_surplus_is_dropped_as_stale(make_run):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,11 +17,13 @@ from tandem.transport.channel import free_tcp_port  # noqa: E402
 from tandem.transport.weights import (  # noqa: E402
     FsWeightReader,
     FsWeightWriter,
+    SnapshotBuffers,
     WeightClient,
     WeightServer,
     WeightSyncError,
     list_versions,
     load_weights,
+    shared_prefix,
     take_snapshot,
     tensor_view,
 )
@@ -283,3 +287,109 @@ def test_a_finished_server_forgets_samplers_that_left(tiny_model):
         assert server.untold() == 0
     finally:
         server.close()
+
+
+# --- lent shared snapshots (a sampler on the trainer's host) ---------------------------------------
+
+
+def shared_server(run_id: str):
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    return (
+        WeightServer(address, run_id=run_id),
+        WeightClient(address),
+        SnapshotBuffers(shared_prefix=shared_prefix(run_id)),
+    )
+
+
+@pytest.mark.skipif(shared_prefix("ab") is None, reason="no /dev/shm")
+def test_a_local_sampler_loads_a_lent_snapshot_without_bytes_sent(tiny_model_dir):
+    trainer, sampler = model_pair(tiny_model_dir)
+    server, client, buffers = shared_server("a1b2c3")
+    try:
+        snap = buffers.snapshot(trainer.named_parameters(), publisher=server, version=0, run_id="a1b2c3")
+        assert snap.path is not None and Path(snap.path).exists()
+        # already unlinked: a killed trainer can leave nothing behind in /dev/shm
+        assert not list(Path("/dev/shm").glob("tandem-a1b2c3-*"))
+        server.publish(snap)
+        manifest, flat = client.fetch(shared=True)
+        assert manifest == snap.manifest and torch.equal(flat, snap.flat)
+        assert flat.data_ptr() != snap.flat.data_ptr()  # a mapping of the same file, not a copy sent
+        load_weights(sampler, flat, manifest)
+        assert client.lease_held() and same_params(trainer, sampler)
+        assert server.served["shared"] == 1 and server.served["fetch"] == 0
+        # the lent buffer is not overwritten while the lease runs: the next version takes another
+        nxt = buffers.snapshot(trainer.named_parameters(), publisher=server, version=1, run_id="a1b2c3")
+        assert nxt.flat.data_ptr() != snap.flat.data_ptr() and nxt.path != snap.path
+        # a remote-style fetch of the same version still gets chunks
+        server.publish(nxt)
+        manifest, flat = client.fetch()
+        assert manifest.version == 1 and server.served["fetch"] == 1
+        paths = [snap.path, nxt.path]
+    finally:
+        client.close()
+        server.close()
+        buffers.close()
+    for path in paths:  # the trainer closed its files (an fd number may since hold something else)
+        assert not Path(path).exists() or "tandem-a1b2c3" not in os.readlink(path)
+
+
+@pytest.mark.skipif(shared_prefix("ab") is None, reason="no /dev/shm")
+def test_a_lease_that_ran_out_is_noticed_and_frees_the_buffer(tiny_model_dir, monkeypatch):
+    from tandem.transport import weights
+
+    monkeypatch.setattr(weights, "LEASE_S", 0.2)
+    trainer, sampler = model_pair(tiny_model_dir)
+    server, client, buffers = shared_server("d4e5f6")
+    try:
+        snap = buffers.snapshot(trainer.named_parameters(), publisher=server, version=0, run_id="d4e5f6")
+        server.publish(snap)
+        client.fetch(shared=True)
+        time.sleep(0.3)
+        assert not client.lease_held()  # the sampler would fetch chunks again
+        server.publish(take_snapshot(trainer.named_parameters(), version=1, run_id="d4e5f6"))
+        assert not server.busy(snap.flat)  # neither published nor lent any more: reusable
+    finally:
+        client.close()
+        server.close()
+        buffers.close()
+
+
+def test_a_loan_naming_another_file_is_refused(tiny_model):
+    """A reply that lends anything but a tandem snapshot file in /dev/shm is an error, never mapped."""
+    import zmq
+
+    from tandem.transport.wire import manifest_to_json
+
+    snap = take_snapshot(tiny_model.named_parameters(), version=0, run_id="r")
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = WeightClient(f"tcp://127.0.0.1:{port}")
+    try:
+        for path in ("/etc/passwd", "/proc/1/fd/../../../etc/passwd", "/dev/shm/tandem-ab-0.weights"):
+            result = {}
+            thread = threading.Thread(target=lambda out=result: out.update(error=_fetch_error(client)))
+            thread.start()
+            identity, request = router.recv_multipart()
+            request_id = json.loads(request)["payload"]["request"]
+            payload = {
+                "request": request_id,
+                "path": path,
+                "lease_until": time.monotonic() + 5,
+                "manifest": manifest_to_json(snap.manifest),
+            }
+            router.send_multipart([identity, *encode_control("shared", payload)])
+            thread.join(timeout=10)
+            assert "malformed shared snapshot" in result["error"], path
+    finally:
+        client.close()
+        router.close(linger=0)
+        ctx.term()
+
+
+def _fetch_error(client) -> str:
+    try:
+        client.fetch(shared=True, timeout_s=5)
+    except WeightSyncError as err:
+        return str(err)
+    return "no error"

@@ -185,12 +185,24 @@ class Sampler:
     def update_weights(self, status: TrainerStatus) -> float:
         start = time.perf_counter()
         self._prefer_local_socket(status)
-        got = self.weights.fetch(timeout_s=120.0)
-        if got is None:
-            return 0.0  # the trainer went away or pruned it: the next status says what now
-        manifest, flat = got
         policy = self.rollout.policy
-        load_weights(policy, flat, manifest, adapter_parameters(policy) if is_lora(policy) else None)
+        params = adapter_parameters(policy) if is_lora(policy) else None
+        # a trainer on this host (reached over its ipc twin) lends its snapshot file: no bytes sent
+        local = isinstance(self.weights, WeightClient) and self.weights.address.startswith("ipc://")
+        got = self.weights.fetch(timeout_s=120.0, shared=True) if local else None
+        if got is not None:
+            load_weights(policy, got[1], got[0], params)
+            if not self.weights.lease_held():  # loaded too slowly: the file may have changed meanwhile
+                log.warning(
+                    "sampler %s: a lent snapshot outlived its lease; fetching it again", self.sampler_id
+                )
+                got = None
+        if got is None:
+            got = self.weights.fetch(timeout_s=120.0)
+            if got is None:
+                return 0.0  # the trainer went away or pruned it: the next status says what now
+            load_weights(policy, got[1], got[0], params)
+        manifest = got[0]
         if manifest.run_id != self.run_id:
             log.info(
                 "sampler %s: trainer run %s, weights v%d", self.sampler_id, manifest.run_id, manifest.version

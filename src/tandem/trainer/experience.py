@@ -111,7 +111,13 @@ class RemoteExperience:
     def _open(self, cfg: Config, run_dir: Path, policy: torch.nn.Module) -> None:
         from tandem.transport.auth import start_server_auth
         from tandem.transport.channel import GroupReceiver
-        from tandem.transport.weights import FsWeightWriter, SnapshotBuffers, WeightServer, new_run_id
+        from tandem.transport.weights import (
+            FsWeightWriter,
+            SnapshotBuffers,
+            WeightServer,
+            new_run_id,
+            shared_prefix,
+        )
 
         p = cfg.pipeline
         self.auth = None
@@ -130,7 +136,10 @@ class RemoteExperience:
         else:
             root = Path(p.sync_dir) if p.sync_dir else run_dir / "weights"
             self.publisher = FsWeightWriter(root, run_id=self.run_id, keep=p.sync_keep_versions)
-        self._buffers = SnapshotBuffers()
+        # zmq: snapshots in /dev/shm files, lent to samplers on this host instead of sent
+        self._buffers = SnapshotBuffers(
+            shared_prefix=shared_prefix(self.run_id) if p.sync_method == "zmq" else None
+        )
         self.version = _next_version(run_dir)
         self.dropped: Counter[str] = Counter()
         self.publish(policy)
@@ -160,7 +169,11 @@ class RemoteExperience:
         if step % self.cfg.pipeline.sync_every:
             return {}
         self.version += 1
-        return {"sync_seconds": self.publish(policy)}
+        stats = {"sync_seconds": self.publish(policy)}
+        served = getattr(self.publisher, "served", None)
+        if served is not None:  # zmq: versions lent as shared files (same host) vs. sent as chunks
+            stats.update(weights_lent=served["shared"], weights_sent=served["fetch"])
+        return stats
 
     def next_groups(self, num_groups: int) -> tuple[list[Group], dict]:
         p = self.cfg.pipeline
@@ -231,6 +244,7 @@ class RemoteExperience:
             while self.publisher.untold() and time.monotonic() < deadline:
                 time.sleep(0.1)
         self.publisher.close()
+        self._buffers.close()
         self.receiver.close()
         if self.auth is not None:
             self.auth.stop()

@@ -5,7 +5,12 @@ the sync dtype), described by a `WeightsManifest` and cut into chunks hashed wit
 methods move it:
 - `zmq`: the trainer's `WeightServer` (a ROUTER on the sync port, in its own thread) sends the
   newest snapshot's chunks straight from memory to whoever asks; `WeightClient` (a DEALER in the
-  sampler) receives each chunk directly into its buffer and checks its hash.
+  sampler) receives each chunk directly into its buffer and checks its hash. Snapshots live in
+  (unlinked) /dev/shm files, so a sampler on the trainer's host (one that reached it over the ipc
+  twin) is instead lent the snapshot itself: it maps the file and loads straight from it, no bytes
+  sent.
+  The lease says until when the trainer leaves that buffer alone; a load that outlasts it is
+  discarded and fetched again as chunks.
 - `fs` (the seed's method): `FsWeightWriter` writes `vNNNNNNNN/{weights.bin, manifest.json}` into
   a temporary folder, fsyncs and renames it, then prunes old versions; `FsWeightReader` only ever
   sees complete versions and checks every chunk's hash.
@@ -18,15 +23,19 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
+import re
 import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import xxhash
 import zmq
@@ -50,8 +59,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SYNC_PORT = 5556
 CHUNK_BYTES = 8 * 2**20  # below glibc's 32 MiB mmap ceiling: received chunks reuse warm heap pages
+LEASE_S = 10.0  # how long a lent shared snapshot stays untouched (a load takes well under a second)
 ALIGN = 64
 MAX_REQUEST_BYTES = 64 * 2**10
+_SHARED_FILE = re.compile(r"/proc/\d+/fd/\d+")  # how a trainer lends its (unlinked) snapshot file
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 
@@ -67,6 +78,7 @@ class WeightSyncError(RuntimeError):
 class Snapshot:
     manifest: WeightsManifest
     flat: torch.Tensor  # uint8 [total_bytes], never modified once published
+    path: str | None = None  # the /dev/shm file `flat` maps, when it is shared
 
     def chunk(self, index: int) -> memoryview:
         offset, nbytes, _ = self.manifest.chunks[index]
@@ -77,23 +89,12 @@ def _hash(view) -> str:
     return xxhash.xxh3_64_hexdigest(view)
 
 
-def take_snapshot(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    *,
-    version: int,
-    run_id: str,
-    dtype: str | None = None,
-    chunk_bytes: int = CHUNK_BYTES,
-    out: torch.Tensor | None = None,
-) -> Snapshot:
-    """Copy tensors (any device) into a flat CPU buffer, cast to `dtype` (None: keep each one's).
-
-    `out`, a buffer of an earlier snapshot of the same model that nobody reads any more, is reused:
-    a fresh 0.5 GB buffer costs 8x a copy into warm pages (page faults), measured in
-    benchmarks/weight_sync.py."""
-    items = [(name, t.detach()) for name, t in named_tensors]
+def snapshot_layout(
+    named_tensors: list[tuple[str, torch.Tensor]], dtype: str | None
+) -> tuple[list[TensorSpec], int]:
+    """Where each tensor goes in the flat buffer (64-byte aligned) and the buffer's size."""
     specs, offset = [], 0
-    for name, t in items:
+    for name, t in named_tensors:
         name_dtype = dtype or _DTYPE_NAMES.get(t.dtype)
         if name_dtype not in WEIGHT_DTYPES:
             raise WeightSyncError(
@@ -102,7 +103,28 @@ def take_snapshot(
         nbytes = t.numel() * WEIGHT_DTYPES[name_dtype]
         specs.append(TensorSpec(name, name_dtype, tuple(t.shape), offset, nbytes))
         offset = -(-(offset + nbytes) // ALIGN) * ALIGN
-    flat = out if out is not None and out.numel() == offset else torch.empty(offset, dtype=torch.uint8)
+    return specs, offset
+
+
+def take_snapshot(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    run_id: str,
+    dtype: str | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    out: torch.Tensor | None = None,
+    path: str | None = None,
+) -> Snapshot:
+    """Copy tensors (any device) into a flat CPU buffer, cast to `dtype` (None: keep each one's).
+
+    `out`, a buffer of an earlier snapshot of the same model that nobody reads any more, is reused:
+    a fresh 0.5 GB buffer costs 8x a copy into warm pages (page faults), measured in
+    benchmarks/weight_sync.py. `path` names the shared file `out` maps, if any."""
+    items = [(name, t.detach()) for name, t in named_tensors]
+    specs, offset = snapshot_layout(items, dtype)
+    reuse = out is not None and out.numel() == offset
+    flat = out if reuse else torch.empty(offset, dtype=torch.uint8)
     end = 0
     for spec, (_, t) in zip(specs, items):
         flat[end : spec.offset] = 0  # alignment padding: keep the buffer (and its hashes) deterministic
@@ -114,24 +136,76 @@ def take_snapshot(
         (start, min(chunk_bytes, offset - start), _hash(data[start : start + chunk_bytes]))
         for start in range(0, offset, chunk_bytes)
     )
-    return Snapshot(WeightsManifest(version, run_id, offset, tuple(specs), chunks), flat)
+    manifest = WeightsManifest(version, run_id, offset, tuple(specs), chunks)
+    return Snapshot(manifest, flat, path if reuse else None)
 
 
 class SnapshotBuffers:
     """Snapshots into reused buffers: one that no fetch reads any more (`publisher.busy`) is
     overwritten; otherwise a new one is made and the oldest leaves the pool (zmq keeps a buffer
-    alive while its chunks are queued)."""
+    alive while its chunks are queued).
 
-    def __init__(self, keep: int = 3) -> None:
+    With `shared_prefix` (e.g. /dev/shm/tandem-<run id>) each buffer maps a memory file that is
+    unlinked as soon as it is made: same-host samplers open it as /proc/<trainer pid>/fd/<fd>, and
+    the kernel frees it when the last process holding it goes, so even a killed trainer leaves
+    nothing behind in /dev/shm."""
+
+    def __init__(self, keep: int = 3, *, shared_prefix: str | None = None) -> None:
         self.keep = keep
-        self._buffers: list[torch.Tensor] = []
+        self.shared_prefix = shared_prefix
+        self._buffers: list[tuple[torch.Tensor, int | None]] = []  # (buffer, fd of its file)
+        self._made = 0
 
     def snapshot(self, named_tensors, *, publisher, **kwargs) -> Snapshot:
-        spare = next((b for b in self._buffers if not publisher.busy(b)), None)
-        snap = take_snapshot(named_tensors, out=spare, **kwargs)
-        if snap.flat is not spare:
-            self._buffers = [*self._buffers[-(self.keep - 1) :], snap.flat]
+        named = [(name, t.detach()) for name, t in named_tensors]
+        spare = next(((b, fd) for b, fd in self._buffers if not publisher.busy(b)), None)
+        if spare is None:
+            spare = self._new_buffer(snapshot_layout(named, kwargs.get("dtype"))[1])
+        path = None if spare[1] is None else f"/proc/{os.getpid()}/fd/{spare[1]}"
+        snap = take_snapshot(named, out=spare[0], path=path, **kwargs)
+        if snap.flat is not spare[0]:  # sizes changed (not the same model): a plain heap buffer
+            spare = (snap.flat, None)
+        if all(b is not spare[0] for b, _ in self._buffers):
+            self._buffers.append(spare)
+            for _, fd in self._buffers[: -self.keep]:
+                _close(fd)
+            self._buffers = self._buffers[-self.keep :]
         return snap
+
+    def _new_buffer(self, nbytes: int) -> tuple[torch.Tensor, int | None]:
+        if self.shared_prefix is None:
+            return torch.empty(nbytes, dtype=torch.uint8), None
+        path = f"{self.shared_prefix}-{os.getpid()}-{self._made}.weights"
+        self._made += 1
+        fd = None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.unlink(path)  # nothing named is left: the open fd (and mappings) keep it alive
+            os.ftruncate(fd, nbytes)
+            return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8), fd
+        except (OSError, RuntimeError) as err:  # no /dev/shm or /proc, or it is full: lend nothing
+            log.warning("weights: no shared buffer in %s (%s); local samplers fetch chunks", path, err)
+            _close(fd)
+            Path(path).unlink(missing_ok=True)
+            return torch.empty(nbytes, dtype=torch.uint8), None
+
+    def close(self) -> None:
+        for _, fd in self._buffers:
+            _close(fd)
+        self._buffers = []
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
+
+
+def shared_prefix(run_id: str) -> str | None:
+    """Where a trainer makes its shared snapshot files: /dev/shm (memory, not disk), when this
+    system has it and /proc to reach an open file of another process."""
+    if Path("/dev/shm").is_dir() and Path(f"/proc/{os.getpid()}/fd").is_dir():
+        return f"/dev/shm/tandem-{run_id}"
+    return None
 
 
 def tensor_view(flat: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
@@ -257,6 +331,7 @@ class WeightServer:
         self._status = TrainerStatus(version=-1, run_id=run_id)
         self._stop = False
         self._in_flight: list[tuple[int, zmq.MessageTracker]] = []  # (buffer address, tracker)
+        self._leases: list[tuple[int, float]] = []  # (buffer address, monotonic time it ends)
         self._seen: dict[bytes, float] = {}  # sampler identity -> when it last asked something
         self._told_finished: set[bytes] = set()
         self._last_probe = 0.0
@@ -276,8 +351,11 @@ class WeightServer:
         """Whether a fetch still has chunks of this buffer queued (zero-copy: they must not change)."""
         with self._lock:
             self._in_flight = [(ptr, t) for ptr, t in self._in_flight if not t.done]
+            now = time.monotonic()
+            self._leases = [(ptr, until) for ptr, until in self._leases if until > now]
             published = self._snapshot is not None and self._snapshot.flat.data_ptr() == flat.data_ptr()
-            return published or any(ptr == flat.data_ptr() for ptr, _ in self._in_flight)
+            lent = [ptr for ptr, _ in self._in_flight] + [ptr for ptr, _ in self._leases]
+            return published or flat.data_ptr() in lent
 
     def untold(self, window_s: float = 120.0) -> int:
         """Samplers heard from in the last `window_s` that have not yet been told the run finished."""
@@ -357,6 +435,8 @@ class WeightServer:
         if kind == "fetch":
             if snapshot is None:
                 self._reply(identity, request, status)
+            elif payload.get("shared") is True and snapshot.path is not None:
+                self._lend_snapshot(identity, request, snapshot)
             else:
                 self._send_snapshot(identity, request, snapshot)
             return []
@@ -413,6 +493,21 @@ class WeightServer:
             with self._lock:
                 self._told_finished.discard(identity)
         self.served["status"] += 1
+
+    def _lend_snapshot(self, identity: bytes, request: str, snapshot: Snapshot) -> None:
+        """Tell a same-host sampler which file holds the snapshot; the buffer is not reused until
+        the lease ends (the sampler checks it finished loading before then)."""
+        until = time.monotonic() + LEASE_S
+        with self._lock:
+            self._leases.append((snapshot.flat.data_ptr(), until))
+        payload = {
+            "request": request,
+            "path": snapshot.path,
+            "lease_until": until,
+            "manifest": manifest_to_json(snapshot.manifest),
+        }
+        if self._send(identity, encode_control("shared", payload)):
+            self.served["shared"] += 1
 
     def _send_snapshot(self, identity: bytes, request: str, snapshot: Snapshot) -> None:
         address = snapshot.flat.data_ptr()
@@ -484,6 +579,8 @@ class WeightClient:
             self.close()
             raise
         self._flat: torch.Tensor | None = None
+        self._mapped: dict[tuple[int, int], torch.Tensor] = {}  # lent files by (device, inode), oldest first
+        self.lease_until: float | None = None
 
     def _request(self, kind: str, payload: dict) -> str:
         request = uuid.uuid4().hex
@@ -531,15 +628,25 @@ class WeightClient:
             log.warning("ignored a malformed reply from the trainer: %s", err)
             return None
 
-    def fetch(self, *, timeout_s: float = 60.0) -> tuple[WeightsManifest, torch.Tensor] | None:
+    def fetch(
+        self, *, timeout_s: float = 60.0, shared: bool = False
+    ) -> tuple[WeightsManifest, torch.Tensor] | None:
         """The newest version (manifest, flat buffer); None if the trainer has none yet or is silent.
-        The buffer is reused between fetches: apply it (load_weights) before fetching again."""
-        request = self._request("fetch", {})
+        The buffer is reused between fetches: apply it (load_weights) before fetching again.
+
+        `shared` (a sampler on the trainer's host): ask to be lent the trainer's shared snapshot
+        instead of its chunks; the buffer returned then maps the trainer's file, and `lease_held()`
+        must still be true once it is loaded (otherwise fetch again without `shared`)."""
+        request = self._request("fetch", {"shared": True} if shared else {})
         deadline = time.monotonic() + timeout_s
         manifest, received = None, 0
+        self.lease_until = None
         while (frame := self._next_frame(deadline)) is not None:
-            if not self._socket.getsockopt(zmq.RCVMORE):  # a one-frame status: no weights yet
-                if self._status_reply(frame, request) is not None:
+            if not self._socket.getsockopt(zmq.RCVMORE):  # one frame: a status (no weights yet) or a loan
+                kind, payload = self._control_reply(frame, request)
+                if kind == "shared":
+                    return self._map_lent(payload)
+                if kind == "status":
                     return None
                 continue
             try:
@@ -561,6 +668,49 @@ class WeightClient:
             if received == len(manifest.chunks):
                 return manifest, self._flat
         return None
+
+    def lease_held(self) -> bool:
+        """After loading a lent snapshot: whether the trainer still guaranteed it unchanged."""
+        return self.lease_until is None or time.monotonic() < self.lease_until
+
+    def _control_reply(self, frame: zmq.Frame, request: str) -> tuple[str | None, dict]:
+        try:
+            kind, payload = decode_control([frame], max_bytes=self._max_bytes)
+        except WireError as err:
+            log.warning("ignored a malformed reply from the trainer: %s", err)
+            return None, {}
+        if payload.get("request") != request:
+            return None, {}
+        return kind, payload
+
+    def _map_lent(self, payload: dict) -> tuple[WeightsManifest, torch.Tensor] | None:
+        """Map the lent snapshot file read-only (mappings of recent files are kept: a fresh one
+        faults its pages in again)."""
+        try:
+            manifest = manifest_from_json(payload.get("manifest"))
+            path, until = payload.get("path"), payload.get("lease_until")
+            if not (isinstance(path, str) and _SHARED_FILE.fullmatch(path) and isinstance(until, float)):
+                raise WireError(f"malformed loan: {path!r:.100}, {until!r}")
+        except WireError as err:
+            raise WeightSyncError(f"malformed shared snapshot from the trainer: {err}") from err
+        self.lease_until = until
+        try:
+            info = os.stat(path)  # the file itself: an fd number is reused once the trainer closes it
+            key = (info.st_dev, info.st_ino)
+            flat = self._mapped.get(key)
+            if flat is None or flat.numel() != manifest.total_bytes:
+                array = np.memmap(path, dtype=np.uint8, mode="r", shape=(manifest.total_bytes,))
+                with warnings.catch_warnings():  # read-only on purpose: torch warns about that
+                    warnings.simplefilter("ignore")
+                    flat = torch.from_numpy(array)
+                self._mapped[key] = flat
+                while len(self._mapped) > 4:
+                    self._mapped.pop(next(iter(self._mapped)))
+        except (OSError, ValueError) as err:  # gone, not ours to open, or another size: fetch chunks
+            log.info("weights: cannot map %s (%s); fetching chunks", path, err)
+            self.lease_until = 0.0
+            return None
+        return manifest, flat
 
     def _receive_chunk(self, manifest: WeightsManifest, header: dict) -> None:
         offset, nbytes, digest = manifest.chunks[header["index"]]
