@@ -147,7 +147,9 @@ def run(strategy: str, ranks: int, steps: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--worker", help=argparse.SUPPRESS)

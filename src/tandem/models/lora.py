@@ -22,7 +22,10 @@ ADAPTER = "default"
 
 
 def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
-    """Wrap `model` with fresh adapters (B = 0: the wrapped model computes exactly the base)."""
+    """Wrap `model` with fresh adapters (B = 0: the wrapped model computes exactly the base).
+
+    A reward model (`*ForSequenceClassification`) gets PEFT's SEQ_CLS task: its new scalar head
+    (`score`) trains in full next to the adapters and is saved with them."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
@@ -36,7 +39,7 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
         lora_dropout=spec.dropout,
         target_modules=list(spec.target_modules),
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type="SEQ_CLS" if type(model).__name__.endswith("ForSequenceClassification") else "CAUSAL_LM",
     )
     return get_peft_model(model, config)
 

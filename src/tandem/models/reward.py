@@ -61,10 +61,12 @@ class ScoreModule(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         attention_mask = (positions[None, :] < lengths[:, None]).long()
-        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        # under LoRA the HF model sits inside the PEFT wrapper (its layers carry the adapters)
+        model = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         last = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), lengths - 1]
-        head = self.model.score  # the Linear(hidden, 1) of HF's *ForSequenceClassification
-        return head(last.to(head.weight.dtype)).squeeze(-1).float()
+        head = model.score  # the Linear(hidden, 1) of HF's *ForSequenceClassification
+        return head(last.to(next(head.parameters()).dtype)).squeeze(-1).float()
 
 
 class RewardScorer:

@@ -22,7 +22,7 @@ class ValueHeadModel(torch.nn.Module):
 
     The value of completion token t is read from the hidden state that predicts it, so it is
     V(prompt + completion[:t]): the value of the state in which token t is chosen, as GAE wants.
-    The head starts at zero (every value 0) and runs in fp32 whatever the trunk's precision.
+    The head starts at zero (every value 0) and runs in fp32, outside any autocast.
     """
 
     def __init__(self, policy: torch.nn.Module) -> None:
@@ -51,8 +51,8 @@ class ValueHeadModel(torch.nn.Module):
         token_logprobs = linear_token_logprobs(
             states, weight.float(), packed.targets, temperature=temperature
         )
-        with torch.autocast(states.device.type, enabled=False):
-            token_values = self.value_head(states.float()).squeeze(-1)  # [N]
+        with torch.autocast(states.device.type, enabled=False):  # DeepSpeed bf16 casts the head too
+            token_values = self.value_head(states.to(self.value_head.weight.dtype)).squeeze(-1)  # [N]
         return _to_rows(token_logprobs, lengths, shape), _to_rows(token_values, lengths, shape)
 
     def save_value_head(self, folder: Path) -> None:

@@ -1,5 +1,6 @@
-"""The reward functions of a run, built from its reward specs: built-in GSM8K rules or user
-functions given by import path "package.module:function", each with a weight.
+"""The reward functions of a run, built from its reward specs: built-in GSM8K rules, user
+functions given by import path "package.module:function", or a trained reward model (`type:
+model`, scored in batches by rewards/model.py), each with a weight.
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.rewards.gsm8k import answer_reward, format_partial_reward, format_reward
+from tandem.rewards.model import ModelReward  # light: it imports the model code only when built
 from tandem.types import Example
 
 RewardFn = Callable[[str, Example], float]
+BatchRewardFn = Callable[[list[str], list[Example]], list[float]]
 
 _BUILTINS: dict[str, RewardFn] = {
     "answer": lambda response, example: answer_reward(response, example.answer),
     "format": lambda response, example: format_reward(response),
     "format_partial": lambda response, example: format_partial_reward(response),
 }
-TYPES = (*_BUILTINS, "function")
+TYPES = (*_BUILTINS, "function", "model")
 
 
 def load_function(path: str) -> RewardFn:
@@ -45,8 +48,12 @@ def load_function(path: str) -> RewardFn:
 class _Component:
     name: str
     weight: float
-    fn: RewardFn
-    label: str  # what error messages call it: the type, or the import path
+    fn: BatchRewardFn
+    label: str  # what error messages call it: the type, the import path, or the model folder
+
+
+def _per_item(fn: RewardFn) -> BatchRewardFn:
+    return lambda responses, examples: [fn(r, ex) for r, ex in zip(responses, examples)]
 
 
 class RewardSet:
@@ -56,15 +63,16 @@ class RewardSet:
         self._components = components
 
     @classmethod
-    def from_specs(cls, specs: Sequence[Any]) -> RewardSet:
-        """From specs with `type` (answer|format|format_partial|function), `weight`, `function`
-        ("module:attr", only for type function) and `name` (default: the type, or the attr).
+    def from_specs(cls, specs: Sequence[Any], *, device: Any = "cpu") -> RewardSet:
+        """From specs with `type` (answer|format|format_partial|function|model), `weight`, `function`
+        ("module:attr", only for type function), `path` (a `tandem rm` folder, only for type model;
+        loaded once, on `device`) and `name` (default: the type, or the attr).
         """
         if not specs:
             raise ValueError("no rewards configured: give at least one reward spec")
         components: list[_Component] = []
         for spec in specs:
-            components.append(_component(spec))
+            components.append(_component(spec, device))
         names = [component.name for component in components]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
@@ -77,31 +85,52 @@ class RewardSet:
 
     def score(self, response: str, example: Example) -> tuple[float, dict[str, float]]:
         """(sum of weight * component, {name: unweighted component value})."""
-        info: dict[str, float] = {}
-        total = 0.0
+        return self.score_batch([response], [example])[0]
+
+    def score_batch(
+        self, responses: list[str], examples: list[Example]
+    ) -> list[tuple[float, dict[str, float]]]:
+        """`score` of each (response, example); a reward model scores them all in batched forwards."""
+        infos: list[dict[str, float]] = [{} for _ in responses]
+        totals = [0.0] * len(responses)
         for component in self._components:
-            value = component.fn(response, example)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise ValueError(
-                    f"reward {component.label!r} returned {value!r}; it must return a finite number"
-                )
-            info[component.name] = float(value)
-            total += component.weight * float(value)
-        return total, info
+            values = component.fn(responses, examples)
+            assert len(values) == len(responses), f"reward {component.label!r} lost responses"
+            for i, value in enumerate(values):
+                if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                    raise ValueError(
+                        f"reward {component.label!r} returned {value!r}; it must return a finite number"
+                    )
+                infos[i][component.name] = float(value)
+                totals[i] += component.weight * float(value)
+        return list(zip(totals, infos))
 
 
-def _component(spec: Any) -> _Component:
+def _component(spec: Any, device: Any) -> _Component:
     kind, weight, path, name = spec.type, spec.weight, spec.function, spec.name
+    model_path = getattr(spec, "path", None)  # spec objects of other callers may predate `path`
     if kind not in TYPES:
         raise ValueError(f"reward type {kind!r} is unknown; choose one of {list(TYPES)}")
     if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
         raise ValueError(f"reward {name or kind!r}: weight must be a finite number, got {weight!r}")
+    if kind == "model":
+        if not model_path or path:
+            raise ValueError(
+                "reward type 'model' needs `path:` a `tandem rm` final/ folder, and no `function`"
+            )
+        return _Component(
+            name or kind, float(weight), ModelReward(model_path, device=device).score, model_path
+        )
+    if model_path:
+        raise ValueError(f"reward type {kind!r} takes no `path` ({model_path!r}); use type 'model'")
     if kind == "function":
         if not path:
             raise ValueError("reward type 'function' needs `function: package.module:function`")
-        return _Component(name or path.rpartition(":")[2], float(weight), load_function(path), path)
+        return _Component(
+            name or path.rpartition(":")[2], float(weight), _per_item(load_function(path)), path
+        )
     if path:
         raise ValueError(
             f"reward type {kind!r} is built in and takes no `function` ({path!r}); use type 'function'"
         )
-    return _Component(name or kind, float(weight), _BUILTINS[kind], kind)
+    return _Component(name or kind, float(weight), _per_item(_BUILTINS[kind]), kind)

@@ -94,10 +94,13 @@ class Rollout:
 
         t0 = time.perf_counter()
         completions = []
-        for i, token_ids in enumerate(gen.token_ids):
-            example = examples[i // self.num_generations]
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-            reward, info = self.rewards.score(self.prefill + text, example)
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in gen.token_ids]
+        # all at once: a reward model scores the batch's completions in a few padded forwards
+        scored = self.rewards.score_batch(
+            [self.prefill + text for text in texts],
+            [examples[i // self.num_generations] for i in range(len(texts))],
+        )
+        for i, (token_ids, text, (reward, info)) in enumerate(zip(gen.token_ids, texts, scored)):
             completions.append(
                 Completion(
                     text=text,
@@ -237,7 +240,7 @@ def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_
         policy=rollout_model,
         reference=reference,
         tokenizer=tokenizer,
-        rewards=RewardSet.from_specs(cfg.rewards),
+        rewards=RewardSet.from_specs(cfg.rewards, device=device),
         system_prompt=cfg.data.system_prompt,
         num_shots=cfg.data.num_shots,
         prefill=cfg.data.prefill,

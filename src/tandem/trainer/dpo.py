@@ -64,42 +64,19 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     resume_path = open_run(cfg, env)
     tokenizer, policy = load_policy(cfg, env, device)
     engine = build_engine(policy, tc, env, device)
-
-    train_raw, eval_raw = load_pairs(cfg)
-    pad_id = tokenizer.pad_token_id
-    train = PairData([encode_pair(tokenizer, p, cfg.dpo.max_length) for p in train_raw], pad_id)
-    evals = PairData([encode_pair(tokenizer, p, cfg.dpo.max_length) for p in eval_raw], pad_id)
-    t0 = time.perf_counter()
-    if cfg.dpo.safe_mm.enabled:
-        train.margins = reward_margins(cfg, train_raw, env, device)
-        evals.margins = reward_margins(cfg, eval_raw, env, device) if eval_raw else None
     # before any update and before a resumed checkpoint is loaded: the policy is still the initial one
-    reference = build_reference(cfg, engine, tokenizer, device)
-    if cfg.dpo.reference_logps == "precompute":
-        with reference_forward(reference, engine) as forward:
-            train.ref_logps = precompute_ref_logps(forward, train, cfg, env, device)
-            if evals.pairs:
-                evals.ref_logps = precompute_ref_logps(forward, evals, cfg, env, device)
-        reference = None  # freed: training needs only the numbers
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if env.is_main:
-        log.info(
-            "%d train / %d eval pairs ready in %.1fs",
-            len(train.pairs),
-            len(evals.pairs),
-            time.perf_counter() - t0,
-        )
+    train, evals, reference = prepare(cfg, engine, tokenizer, env, device)
 
     batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
     steps_per_epoch = math.ceil(len(train.pairs) / batch_size)
     total_steps = min(tc.max_steps, tc.num_epochs * steps_per_epoch)
+    # the data position is the step: batches are a function of (seed, epoch), checked on resume
+    state = {"num_train_pairs": len(train.pairs), "batch_size": batch_size}
     step = 0
     if resume_path is not None:
-        state = ckpt.load_checkpoint(resume_path, engine=engine, env=env)
-        check_resume(state, len(train.pairs), batch_size)
-        step = state["step"]
+        saved = ckpt.load_checkpoint(resume_path, engine=engine, env=env)
+        check_resume(saved, state)
+        step = saved["step"]
         if env.is_main:
             log.info("resumed from %s at step %d", resume_path, step)
 
@@ -123,6 +100,8 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
             step += 1
             row = {"step": step, "epoch": step / steps_per_epoch, **stats}
             row["step_seconds"] = time.perf_counter() - row_start
+            if env.world_size > 1:
+                row["world_size"] = env.world_size
             if evals.pairs and (step == total_steps or (tc.eval_steps and step % tc.eval_steps == 0)):
                 row.update(evaluate(engine, evals, reference, cfg, env, device))
             if env.is_main:
@@ -131,24 +110,47 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row['reward_accuracy']:.2f}")
             if tc.save_steps and step % tc.save_steps == 0:
-                save(
-                    checkpoints_dir,
-                    step,
-                    engine,
-                    env,
-                    tokenizer,
-                    len(train.pairs),
-                    batch_size,
-                    tc.save_total_limit,
-                )
+                run.save(checkpoints_dir, step, engine, env, None, tokenizer, state, tc.save_total_limit)
                 last_saved = step
     finally:
         bar.close()
         if logger is not None:
             logger.close()
     if last_saved != step:
-        save(checkpoints_dir, step, engine, env, tokenizer, len(train.pairs), batch_size, tc.save_total_limit)
+        run.save(checkpoints_dir, step, engine, env, None, tokenizer, state, tc.save_total_limit)
     return export_final(engine, env, tokenizer, run_dir / "final")
+
+
+def prepare(cfg: Config, engine, tokenizer, env: DistEnv, device: torch.device):
+    """(train, eval, reference): the encoded pairs with everything fixed before the first step. The
+    reward models score every pair once (Safe-MM-DPO); with `precompute` the reference's log-probs
+    are computed once and the returned reference is None (freed), else it runs per micro-batch."""
+    train_raw, eval_raw = load_pairs(cfg)
+    pad_id = tokenizer.pad_token_id
+    train = PairData([encode_pair(tokenizer, p, cfg.dpo.max_length) for p in train_raw], pad_id)
+    evals = PairData([encode_pair(tokenizer, p, cfg.dpo.max_length) for p in eval_raw], pad_id)
+    t0 = time.perf_counter()
+    if cfg.dpo.safe_mm.enabled:
+        train.margins = reward_margins(cfg, train_raw, env, device)
+        evals.margins = reward_margins(cfg, eval_raw, env, device) if eval_raw else None
+    reference = build_reference(cfg, engine, tokenizer, device)
+    if cfg.dpo.reference_logps == "precompute":
+        with reference_forward(reference, engine) as forward:
+            train.ref_logps = precompute_ref_logps(forward, train, cfg, env, device)
+            if evals.pairs:
+                evals.ref_logps = precompute_ref_logps(forward, evals, cfg, env, device)
+        reference = None  # training needs only the numbers
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if env.is_main:
+        log.info(
+            "%d train, %d eval pairs ready in %.1fs",
+            len(train.pairs),
+            len(evals.pairs),
+            time.perf_counter() - t0,
+        )
+    return train, evals, reference
 
 
 def check_config(cfg: Config) -> None:
@@ -160,7 +162,7 @@ def check_config(cfg: Config) -> None:
         if path is not None and not (Path(path).expanduser() / "config.json").is_file():
             raise ConfigError(
                 f"`dpo.safe_mm.{key}` is {path!r}, which is not a model folder; train it first with "
-                f"`tandem rm configs/rm_tiny.yaml --task {task}` and give its final/ folder"
+                f"`tandem rm configs/rm_{task}.yaml` and give its final/ folder"
             )
     if cfg.model.reference_offload and cfg.dpo.reference_logps == "online":
         raise ConfigError(
@@ -169,14 +171,12 @@ def check_config(cfg: Config) -> None:
         )
 
 
-def check_resume(state: dict, num_pairs: int, batch_size: int) -> None:
-    """The data position of a checkpoint is its step: the data and the batch size must not change."""
-    saved = (state.get("num_train_pairs"), state.get("batch_size"))
-    if saved != (num_pairs, batch_size):
+def check_resume(saved: dict, state: dict) -> None:
+    found = {key: saved.get(key) for key in state}
+    if found != state:
         raise ConfigError(
-            f"the checkpoint was written with {saved[0]} train pairs in batches of {saved[1]}, this run has "
-            f"{num_pairs} in batches of {batch_size}; resume with the same data.* settings and "
-            "micro_batch_size x gradient_accumulation_steps x ranks, or start a new run"
+            f"the checkpoint was written with {found}, this run has {state}; resume with the same data.* "
+            "settings and micro_batch_size x gradient_accumulation_steps x ranks, or start a new run"
         )
 
 
@@ -365,31 +365,24 @@ def micro_batch_loss(engine, data: PairData, micro: list[int], reference, cfg: C
     )
 
 
-STAT_KEYS = ("loss", "reward_chosen", "reward_rejected", "reward_accuracy", "margin_mean")
+STAT_KEYS = ("loss", "reward_chosen", "reward_rejected", "reward_accuracy", "margin_mean", "num")
 
 
-def _add(sums: list[float], loss: torch.Tensor, stats: dict, data: PairData, micro: list[int]) -> None:
+def pair_sums(loss: torch.Tensor, stats: dict, data: PairData, micro: list[int]) -> list[float]:
+    """A micro-batch's sums over its pairs of what a row reports (STAT_KEYS), to add across
+    micro-batches and ranks before dividing by the pair count."""
     n = len(micro)
-    margin = float(data.margins[micro].mean()) if data.margins is not None else 0.0
-    values = (
-        float(loss.detach()),
-        stats["reward_chosen"],
-        stats["reward_rejected"],
-        stats["reward_accuracy"],
-        margin,
-    )
-    for k, value in enumerate(values):
-        sums[k] += value * n
-    sums[-1] += n
+    margin = float(data.margins[micro].sum()) if data.margins is not None else 0.0
+    means = (float(loss.detach()), stats["reward_chosen"], stats["reward_rejected"], stats["reward_accuracy"])
+    return [m * n for m in means] + [margin, n]
 
 
-def _means(sums: list[float], data: PairData, prefix: str = "") -> dict:
-    n = max(sums[-1], 1.0)
-    out = {f"{prefix}{key}": value / n for key, value in zip(STAT_KEYS, sums)}
-    out[f"{prefix}reward_margin"] = out[f"{prefix}reward_chosen"] - out[f"{prefix}reward_rejected"]
-    if data.margins is None:
-        del out[f"{prefix}margin_mean"]
-    return out
+def row_means(sums: list[float], data: PairData, prefix: str = "") -> dict:
+    means = {f"{prefix}{key}": value / max(sums[-1], 1.0) for key, value in zip(STAT_KEYS[:-1], sums)}
+    means[f"{prefix}reward_margin"] = means[f"{prefix}reward_chosen"] - means[f"{prefix}reward_rejected"]
+    if data.margins is None:  # plain DPO: no reward-model margin to report
+        del means[f"{prefix}margin_mean"]
+    return means
 
 
 def optimizer_step(
@@ -400,16 +393,16 @@ def optimizer_step(
     micro_batches = rank_micro_batches(batch, cfg.training.micro_batch_size, env)
     engine.model.train()
     lr = engine.lr()
-    sums = [0.0] * (len(STAT_KEYS) + 1)
+    sums = [0.0] * len(STAT_KEYS)
     for i, (micro, weight) in enumerate(micro_batches):
         with engine.accumulate(last=i == len(micro_batches) - 1):
             loss, stats = micro_batch_loss(engine, data, micro, reference, cfg, device)
             engine.backward(loss * (weight * len(micro) / len(batch)))
         if weight:
-            _add(sums, loss, stats, data, micro)
+            sums = [a + b for a, b in zip(sums, pair_sums(loss, stats, data, micro))]
     grad_norm = engine.step()
     return {
-        **_means(all_reduce_sum(env, sums), data),
+        **row_means(all_reduce_sum(env, sums), data),
         "grad_norm": grad_norm,
         "lr": lr,
         "num_pairs": len(batch),
@@ -420,7 +413,7 @@ def evaluate(engine, data: PairData, reference, cfg: Config, env: DistEnv, devic
     """eval_loss, eval_reward_accuracy, eval_reward_margin, ... over the held-out pairs (every rank
     takes a strided part, in eval mode, without gradients)."""
     t0 = time.perf_counter()
-    sums = [0.0] * (len(STAT_KEYS) + 1)
+    sums = [0.0] * len(STAT_KEYS)
     engine.model.eval()
     with torch.no_grad():
         for micro, weight in rank_micro_batches(
@@ -428,21 +421,6 @@ def evaluate(engine, data: PairData, reference, cfg: Config, env: DistEnv, devic
         ):
             loss, stats = micro_batch_loss(engine, data, micro, reference, cfg, device)
             if weight:
-                _add(sums, loss, stats, data, micro)
+                sums = [a + b for a, b in zip(sums, pair_sums(loss, stats, data, micro))]
     engine.model.train()
-    return {**_means(all_reduce_sum(env, sums), data, "eval_"), "eval_seconds": time.perf_counter() - t0}
-
-
-def save(
-    checkpoints_dir: Path,
-    step: int,
-    engine,
-    env: DistEnv,
-    tokenizer,
-    num_pairs: int,
-    batch_size: int,
-    keep: int,
-):
-    # no data state beyond the step: the batches are a function of (seed, epoch), checked on resume
-    state = {"num_train_pairs": num_pairs, "batch_size": batch_size}
-    run.save(checkpoints_dir, step, engine, env, None, tokenizer, state, keep)
+    return {**row_means(all_reduce_sum(env, sums), data, "eval_"), "eval_seconds": time.perf_counter() - t0}

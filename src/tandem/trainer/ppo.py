@@ -17,7 +17,8 @@ critic. Per batch of groups, rank 0 splits each optimizer batch across the ranks
      whole batch, all ranks (ppo.whiten_advantages).
 Then ppo.num_iterations passes over the optimizer batches: clipped surrogate (ratio against the
 sampler's log-probs) + vf_coef * clipped value loss, divided by the optimizer batch's global
-number of completion tokens. Checkpoints and final/ hold the policy plus value_head.safetensors.
+number of completion tokens. The head trains in the policy's optimizer at its learning rate (as
+TRL's classic value-head PPO). Checkpoints and final/ hold the policy plus value_head.safetensors.
 """
 
 from __future__ import annotations
