@@ -37,7 +37,8 @@ def _config(args, *extra: str, method: str | None = None):
 
 def _finished(cfg) -> None:
     final = cfg.run_dir / "final"
-    print(f"final policy: {final}\nrun record:   {cfg.run_dir}\nplots:        tandem plot {cfg.run_dir}")
+    what = "reward model" if cfg.method == "rm" else "policy"
+    print(f"final {what}: {final}\nrun record:   {cfg.run_dir}\nplots:        tandem plot {cfg.run_dir}")
 
 
 def _trainer_loop(method: str):

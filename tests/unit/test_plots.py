@@ -100,3 +100,23 @@ def test_moving_average_is_trailing_and_ignores_nan():
     values = np.array([1.0, 3.0, np.nan, 5.0, 7.0])
     # windows of 2: [1], [1,3], [3,nan], [nan,5], [5,7]
     np.testing.assert_allclose(moving_average(values, 2), [1.0, 2.0, 3.0, 5.0, 6.0])
+
+
+def test_supervised_runs_get_their_own_figures(tmp_path):
+    """An rm/dpo-style record (eval_* only every few steps) draws loss, eval and accuracy figures;
+    GRPO-only figures are skipped."""
+    import json
+
+    from tandem.trainer.plots import plot_run
+
+    rows = []
+    for step in range(1, 7):
+        row = {"step": step, "epoch": 0, "loss": 1 / step, "grad_norm": 1.0, "lr": 1e-5, "step_seconds": 1.0}
+        row.update(accuracy=0.5 + step / 20, margin_mean=step / 10)
+        if step % 3 == 0:
+            row.update(eval_loss=1.2 / step, eval_accuracy=0.6, eval_margin_mean=step / 12)
+        rows.append(row)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    names = {p.name for p in plot_run(tmp_path)}
+    assert {"loss.png", "eval_loss.png", "preference_accuracy.png", "margins.png", "timing.png"} <= names
+    assert not names & {"reward.png", "kl.png", "value.png", "perplexity.png"}

@@ -146,6 +146,36 @@ def _plot_timing(name: str, steps: np.ndarray, rows: list[dict], smooth: int) ->
     return fig
 
 
+def _overlay(
+    fields: tuple[str, ...],
+    title: str,
+    ylabel: str,
+    ylim: tuple[float, float] | None = None,
+    needs: str | None = None,
+) -> Callable[[str, np.ndarray, list[dict], int], Figure | None]:
+    """Several fields on one axis (only if `needs` is among them); a field logged only at some
+    steps (eval_*) is drawn as points."""
+
+    def plot(name: str, steps: np.ndarray, rows: list[dict], smooth: int) -> Figure | None:
+        present = {f: v for f in fields if (v := _series(rows, f)) is not None}
+        if not present or (needs is not None and needs not in present):
+            return None
+        fig, (ax,) = _new_figure()
+        for field, values in present.items():
+            finite = np.isfinite(values)
+            if finite.sum() < len(values):  # sparse: evaluated every eval_steps
+                ax.plot(steps[finite], values[finite], marker="o", label=field)
+            else:
+                _line(ax, steps, values, field, smooth)
+        ax.set(title=f"{name}: {title}", ylabel=ylabel)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        ax.legend(loc="best")
+        return fig
+
+    return plot
+
+
 FIGURES = {
     "reward.png": _plot_reward,
     "accuracy.png": _plot_accuracy,
@@ -153,6 +183,21 @@ FIGURES = {
     "completion_length.png": _single("completion_length_mean", "completion length", "tokens"),
     "loss.png": _plot_loss,
     "timing.png": _plot_timing,
+    # sft, rm, dpo and ppo runs
+    "eval_loss.png": _overlay(("loss", "eval_loss"), "train and held-out loss", "loss", needs="eval_loss"),
+    "perplexity.png": _overlay(("eval_perplexity",), "held-out perplexity", "perplexity"),
+    "preference_accuracy.png": _overlay(
+        ("accuracy", "eval_accuracy", "reward_accuracy", "eval_reward_accuracy"),
+        "chosen scored above rejected",
+        "accuracy",
+        (-0.02, 1.02),
+    ),
+    "margins.png": _overlay(
+        ("margin_mean", "eval_margin_mean", "reward_margin", "eval_reward_margin"),
+        "chosen minus rejected",
+        "margin",
+    ),
+    "value.png": _overlay(("value_loss", "explained_variance"), "critic", "value"),
 }
 
 
