@@ -181,6 +181,9 @@ class PPOConfig:
     clip_eps: float = 0.2
     value_clip_eps: float = 0.2
     vf_coef: float = 0.1  # weight of the value loss
+    value_learning_rate: float | None = (
+        None  # the value head's own learning rate (None: training.learning_rate)
+    )
     gamma: float = 1.0
     lam: float = 0.95  # GAE lambda
     kl_coef: float = 0.05
@@ -534,6 +537,7 @@ _BOUNDS: list[tuple[str, Callable[[Any], bool], str]] = [
     ("ppo.clip_eps", lambda v: v >= 0, ">= 0"),
     ("ppo.value_clip_eps", lambda v: v >= 0, ">= 0"),
     ("ppo.vf_coef", lambda v: v >= 0, ">= 0"),
+    ("ppo.value_learning_rate", lambda v: v is None or v > 0, "> 0, or null for training.learning_rate"),
     ("ppo.gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("ppo.lam", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("ppo.kl_coef", lambda v: v >= 0, ">= 0"),

@@ -50,3 +50,26 @@ def test_prompt_stream_resumes_where_it_stopped():
 def test_empty_dataset_is_a_clear_error():
     with pytest.raises(ValueError, match="data.dataset"):
         PromptStream([], 2, seed=0)
+
+
+def test_a_module_can_give_some_parameters_their_own_learning_rate():
+    """PPO's value head (ppo.value_learning_rate): its parameters get their own base rate, the rest
+    keep training.learning_rate in the usual decay / no-decay groups, and warmup scales both."""
+    from tandem.config import load_config
+    from tandem.trainer.optim import build_optimizer, build_scheduler
+
+    tc = load_config(
+        None, ["training.learning_rate=1e-4", "training.weight_decay=0.1", "training.warmup_steps=2"]
+    ).training
+    model = torch.nn.ModuleDict({"body": torch.nn.Linear(4, 4), "value_head": torch.nn.Linear(4, 1)})
+    model.learning_rates = {"value_head.": 1e-2}
+    optimizer = build_optimizer(model, tc)
+    groups = [(g["lr"], g["weight_decay"], [p.shape for p in g["params"]]) for g in optimizer.param_groups]
+    assert groups == [
+        (1e-4, 0.1, [torch.Size([4, 4])]),
+        (1e-4, 0.0, [torch.Size([4])]),
+        (1e-2, 0.1, [torch.Size([1, 4])]),
+        (1e-2, 0.0, [torch.Size([1])]),
+    ]
+    scheduler = build_scheduler(optimizer, tc)
+    assert scheduler.get_last_lr() == pytest.approx([5e-5, 5e-5, 5e-3, 5e-3])  # warmup step 1 of 2

@@ -10,14 +10,23 @@ from tandem.config import TrainingConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
-    decay, no_decay = [], []
-    for param in model.parameters():
+    """AdamW over the trainable parameters. A module with `learning_rates` ({name prefix: lr}, e.g.
+    PPO's value head) gives those parameters their own base learning rate; the schedule scales
+    every group alike."""
+    special = getattr(model, "learning_rates", {})
+    groups: dict[tuple[float, bool], list[torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
         if param.requires_grad:
+            lr = next((lr for prefix, lr in special.items() if name.startswith(prefix)), cfg.learning_rate)
             # norms and biases are vectors; decaying them only fights the normalisation
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            groups.setdefault((lr, param.ndim >= 2), []).append(param)
     return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
+        [
+            {"params": params, "lr": lr, "weight_decay": cfg.weight_decay if decay else 0.0}
+            for (lr, decay), params in sorted(
+                groups.items(), key=lambda kv: (kv[0][0] != cfg.learning_rate, not kv[0][1])
+            )
+        ],
         lr=cfg.learning_rate,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,

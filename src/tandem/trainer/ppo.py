@@ -92,6 +92,8 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     resume_path = open_run(cfg, env)
     tokenizer, policy = load_policy(cfg, env, device)
     forward = ValueHeadModel(policy)
+    if cfg.ppo.value_learning_rate is not None:  # a critic often wants a faster rate than the policy
+        forward.learning_rates = {"value_head.": cfg.ppo.value_learning_rate}
     engine = build_engine(policy, tc, env, device, forward=forward)
     generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
 
