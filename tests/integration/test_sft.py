@@ -100,9 +100,8 @@ def test_packed_rows_score_each_example_as_if_alone(tiny_model, tiny_model_dir):
                 torch.log_softmax(logits, -1).gather(1, torch.tensor(e.input_ids[1:])[:, None])[:, 0]
             )
         # three examples in one row, two in another: block-diagonal attention, positions restart
-        packed = model(
-            pack_examples([[e.input_ids for e in examples[:3]], [e.input_ids for e in examples[3:]]])
-        )
+        rows = [[(e.input_ids, 1) for e in examples[:3]], [(e.input_ids, 1) for e in examples[3:]]]
+        packed = model(pack_examples(rows))
         for k, e in enumerate(examples):
             torch.testing.assert_close(packed[k, : len(e.input_ids) - 1], alone[k], rtol=0, atol=1e-5)
         losses = {}
@@ -144,29 +143,40 @@ def test_update_does_not_depend_on_the_batch_cut(micro4, tiny_model_dir, tmp_pat
 
 
 @pytest.mark.slow
-def test_two_ddp_ranks_equal_one_rank(micro4, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["training.distributed_strategy=ddp"],
+        ["training.distributed_strategy=deepspeed", "training.zero_stage=3"],
+    ],
+    ids=["ddp", "zero3"],
+)
+def test_two_ranks_equal_one_rank(micro4, tiny_model_dir, tmp_path, strategy, monkeypatch):
+    """`tandem sft` under torchrun, with a checkpoint on the way. 5 eval examples: one rank has fewer
+    and must still run as many forwards (DDP syncs buffers, ZeRO-3 gathers parameters in forward)."""
     from integration.test_distributed import torchrun
 
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     overrides = [
-        "experiment_name=ddp",
+        "experiment_name=two",
         f"output_dir={tmp_path}",
         "seed=3",
         f"model.policy={tiny_model_dir}",
         "data.num_examples=16",
-        "data.num_eval_examples=8",
+        "data.num_eval_examples=5",
         "data.num_shots=0",
         "data.system_prompt=''",
         "training.micro_batch_size=2",  # 2 x 1 x 2 ranks = the reference's 4 x 1
         "training.gradient_accumulation_steps=1",
         "training.learning_rate=1e-3",
         "training.max_steps=3",
-        "training.save_steps=0",
+        "training.save_steps=2",
         "training.device=cpu",
-        "training.distributed_strategy=ddp",
+        *strategy,
     ]
     torchrun(2, "-m", "tandem.cli", "sft", *overrides)
-    assert_same(weights(tmp_path / "ddp" / "final"), micro4, "ddp 2 ranks")
-    rows = rows_of(tmp_path / "ddp")
+    assert_same(weights(tmp_path / "two" / "final"), micro4, " ".join(strategy))
+    rows = rows_of(tmp_path / "two")
     assert rows[-1]["world_size"] == 2 and "eval_loss" in rows[-1]
 
 

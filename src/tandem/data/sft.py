@@ -1,10 +1,6 @@
-"""SFT data: worked arithmetic/GSM8K answers in GRPO's prompt and format, prompt/completion or
-chat-messages files, or a hub data set, turned into token ids with a mask of the tokens the loss
-covers.
-
-An example is a list of text segments, each trained or not. Segments are tokenized one by one, so
-a prompt's tokens are exactly the ones the sampler feeds the model (`tokenizer(render_prompt(...))`)
-and a target is the text the model writes after them.
+"""SFT data -> token ids with a loss mask: worked arithmetic/GSM8K answers in GRPO's prompt and format,
+prompt/completion or chat-messages files, a hub data set. Segments are tokenized one by one, so a
+prompt's tokens are exactly those the GRPO sampler feeds the model (`tokenizer(render_prompt(...))`).
 """
 
 from __future__ import annotations
@@ -96,8 +92,8 @@ def chat_example(tokenizer, messages: list[dict], train_from: int, source: str) 
         if not (prefix.startswith(consumed) and full.startswith(prefix)):
             raise ValueError(
                 f"{source}: the chat template renders the conversation before assistant turn {i} "
-                "differently once the turn is added, so the turn cannot be cut out of it; give "
-                "this row as {prompt, completion} with one final assistant turn"
+                "differently once the turn is added (it rewrites earlier turns), so the turn cannot be "
+                "cut out of it; train on the last assistant turn only with a {prompt, completion} row"
             )
         turn = full[len(prefix) :]
         end = turn.find(eos) if eos else -1

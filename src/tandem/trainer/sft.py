@@ -1,9 +1,6 @@
 """The SFT loop: epochs over shuffled examples, the masked next-token loss, eval loss and perplexity.
 
-Run: `tandem sft configs/sft_tiny.yaml [key=value ...]` (under torchrun or the deepspeed launcher
-for several ranks). An optimizer step takes micro_batch_size x gradient_accumulation_steps x
-world_size examples; each rank takes its rank_slice, and the loss of every micro-batch is divided
-by the loss tokens of the whole step, so the update does not depend on how the batch is cut.
+Run: `tandem sft configs/sft_tiny.yaml [key=value ...]` (torchrun / the deepspeed launcher for several ranks).
 """
 
 from __future__ import annotations
@@ -40,6 +37,9 @@ def train_sft(cfg: Config) -> Path:
 
 
 def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
+    """An optimizer step takes micro_batch_size x gradient_accumulation_steps x world_size examples;
+    each rank takes its rank_slice, and every micro-batch's loss is divided by the loss tokens of the
+    whole step, so the update does not depend on how the batch is cut."""
     tc = cfg.training
     checkpoints_dir = cfg.run_dir / "checkpoints"
     resume_path = open_run(cfg, env)
@@ -81,7 +81,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
         if env.is_main
         else None
     )
-    # the baseline the run improves on, reported in the first row
+    # the baseline the run improves on (eval_loss_initial, eval_perplexity_initial in the first row)
     initial = evaluate(engine, eval_set, cfg, device, env, pad_id) if step == 0 else {}
     initial = {f"{k}_initial": v for k, v in initial.items()}
     if initial and env.is_main:
@@ -97,8 +97,12 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
             batch = [train_set[i] for i in order[index * batch_size : (index + 1) * batch_size]]
             row = optimizer_step(engine, batch, cfg, device, env, pad_id)
             step += 1
-            row = {"step": step, "epoch": step / steps_per_epoch, **row, **initial}
-            row["step_seconds"], initial = time.perf_counter() - t0, {}
+            row = {
+                "step": step,
+                "epoch": step / steps_per_epoch,
+                **row,
+                "step_seconds": time.perf_counter() - t0,
+            }
             if (tc.eval_steps and step % tc.eval_steps == 0) or step == num_steps:
                 t1 = time.perf_counter()
                 row.update(evaluate(engine, eval_set, cfg, device, env, pad_id))
@@ -111,7 +115,8 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
             if env.world_size > 1:
                 row["world_size"] = env.world_size
             if step % tc.logging_steps == 0 or step == num_steps or "eval_loss" in row:
-                logger.log(row)
+                logger.log({**row, **initial})
+                initial = {}  # reported once, in the first row written
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", s=f"{row['step_seconds']:.1f}")
     finally:
@@ -230,9 +235,10 @@ def evaluate(
 def collate(
     examples: list[EncodedExample], pad_id: int, *, packing: bool, row_length: int
 ) -> tuple[PackedRows, torch.Tensor]:
-    """A micro-batch's model input and its loss mask [N, T] (N examples, T the longest minus one):
-    one example per padded row, or (packing) examples placed first-fit, longest first, into rows of
-    at most row_length tokens. The mask rows follow the order of the log-probs, examples row by row."""
+    """A micro-batch's model input and its loss mask [N, T] (N examples, T the longest scored
+    stretch): one example per padded row, or (packing) examples placed first-fit, longest first,
+    into rows of at most row_length tokens. The mask rows follow the order of the log-probs,
+    examples row by row."""
     if packing:
         rows: list[list[EncodedExample]] = []
         room: list[int] = []
@@ -247,33 +253,44 @@ def collate(
     else:
         rows = [[e] for e in examples]
     ordered = [e for row in rows for e in row]
-    loss_mask = torch.zeros(len(ordered), max(len(e.input_ids) for e in ordered) - 1)
-    for k, e in enumerate(ordered):
-        loss_mask[k, : len(e.input_ids) - 1] = torch.tensor(e.loss_mask[1:], dtype=torch.float32)
-    return pack_examples([[e.input_ids for e in row] for row in rows], pad_id), loss_mask
+    firsts = [first_target(e) for e in ordered]
+    loss_mask = torch.zeros(len(ordered), max(len(e.input_ids) - f for e, f in zip(ordered, firsts)))
+    for k, (e, first) in enumerate(zip(ordered, firsts)):
+        loss_mask[k, : len(e.input_ids) - first] = torch.tensor(e.loss_mask[first:], dtype=torch.float32)
+    packed = pack_examples([[(e.input_ids, first_target(e)) for e in row] for row in rows], pad_id)
+    return packed, loss_mask
 
 
-def pack_examples(rows: list[list[list[int]]], pad_id: int = 0) -> PackedRows:
-    """rows: the token ids of the examples each row holds -> PackedRows whose "completions" are the
-    examples minus their first token. Attention is causal within an example only (block-diagonal)
-    and position ids restart at 0 for each, so every token is scored as if its example were alone,
-    and packed_logprobs gives [num_examples, longest - 1] however the examples share rows."""
-    width = max(sum(len(ids) for ids in row) for row in rows)
+def first_target(example: EncodedExample) -> int:
+    """Index of the example's first loss token: the output projection (a vocabulary-wide matmul) runs
+    from there on only, not over a prompt the loss ignores (7x fewer positions on GRPO's prompts)."""
+    return example.loss_mask.index(1) if 1 in example.loss_mask else len(example.loss_mask)
+
+
+def pack_examples(rows: list[list[tuple[list[int], int]]], pad_id: int = 0) -> PackedRows:
+    """rows: the examples each row holds, as (token ids, index of the first token to score, >= 1)
+    -> PackedRows whose "completions" are the scored stretches. Attention is causal within an
+    example only (block-diagonal) and position ids restart at 0 for each, so every token is scored
+    as if its example were alone, and packed_logprobs gives [num_examples, longest stretch]
+    however the examples share rows."""
+    width = max(sum(len(ids) for ids, _ in row) for row in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     segment = torch.full((len(rows), width), -1, dtype=torch.long)  # pads: -1, they see only pads
     pred_rows, pred_cols, targets, lengths = [], [], [], []
     for r, row in enumerate(rows):
         start = 0
-        for k, ids in enumerate(row):
+        for k, (ids, first) in enumerate(row):
+            assert first >= 1, "the first token of an example has nothing to predict it"
             n = len(ids)
             input_ids[r, start : start + n] = torch.tensor(ids, dtype=torch.long)
             position_ids[r, start : start + n] = torch.arange(n)
             segment[r, start : start + n] = k
-            pred_rows += [r] * (n - 1)
-            pred_cols += range(start, start + n - 1)  # token t is predicted at the column of token t-1
-            targets += ids[1:]
-            lengths.append(n - 1)
+            # token t is predicted at the column of token t-1
+            pred_rows += [r] * (n - first)
+            pred_cols += range(start + first - 1, start + n - 1)
+            targets += ids[first:]
+            lengths.append(n - first)
             start += n
     q = torch.arange(width)
     causal = q[None, :] <= q[:, None]  # [L(query), L(key)]
