@@ -160,7 +160,9 @@ def sampler_main(conn, method: str, where: str, model_kind: str, num_rounds: int
         manifest, flat = got
         load_weights(model, flat, manifest)
         loaded = time.monotonic()
-        assert not shared or source.lease_held(), "the lease ran out before the load finished"
+        if shared:
+            assert source.lease_held(), "the lease ran out before the load finished"
+            source.release()
         marker = float(first_param(model).detach().view(-1)[0])
         conn.send(
             {
@@ -208,6 +210,7 @@ def measure_method(method: str, where: str, model: torch.nn.Module, args: argpar
                 run_id=run_id,
                 dtype=args.sync_dtype,
                 chunk_bytes=args.chunk_mib * 2**20,
+                hashed=method == "fs",  # zmq: hashed on the first chunk fetch, as the trainer does
             )
             snapped = time.monotonic()
             publisher.publish(snapshot)

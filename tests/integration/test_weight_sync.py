@@ -393,3 +393,33 @@ def _fetch_error(client) -> str:
     except WeightSyncError as err:
         return str(err)
     return "no error"
+
+
+@pytest.mark.skipif(shared_prefix("ab") is None, reason="no /dev/shm")
+def test_a_released_loan_frees_the_buffer_at_once(tiny_model_dir):
+    trainer, _ = model_pair(tiny_model_dir)
+    server, client, buffers = shared_server("a7a7a7")
+    try:
+        first = buffers.snapshot(
+            trainer.named_parameters(), publisher=server, version=0, run_id="a7a7a7", hashed=False
+        )
+        server.publish(first)
+        assert client.fetch(shared=True) is not None
+        server.publish(take_snapshot(trainer.named_parameters(), version=1, run_id="a7a7a7"))
+        assert server.busy(first.flat)  # lent: not reused while the lease runs...
+        client.release()
+        deadline = time.monotonic() + 5
+        while server.busy(first.flat) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not server.busy(first.flat)  # ...until the borrower says it is done
+    finally:
+        client.close()
+        server.close()
+        buffers.close()
+
+
+def test_hashes_can_wait_until_a_reader_needs_them(tiny_model):
+    lazy = take_snapshot(tiny_model.named_parameters(), version=2, run_id="r", chunk_bytes=1000, hashed=False)
+    eager = take_snapshot(tiny_model.named_parameters(), version=2, run_id="r", chunk_bytes=1000)
+    assert all(digest == "" for _, _, digest in lazy.manifest.chunks)
+    assert lazy.hashed().manifest == eager.manifest and lazy.hashed() is lazy.hashed()

@@ -192,7 +192,9 @@ class Sampler:
         got = self.weights.fetch(timeout_s=120.0, shared=True) if local else None
         if got is not None:
             load_weights(policy, got[1], got[0], params)
-            if not self.weights.lease_held():  # loaded too slowly: the file may have changed meanwhile
+            held = self.weights.lease_held()
+            self.weights.release()  # the trainer may reuse that buffer now
+            if not held:  # loaded too slowly: the file may have changed meanwhile
                 log.warning(
                     "sampler %s: a lent snapshot outlived its lease; fetching it again", self.sampler_id
                 )

@@ -160,6 +160,7 @@ class RemoteExperience:
             version=self.version,
             run_id=self.run_id,
             dtype=self.cfg.pipeline.sync_dtype,
+            hashed=False,  # hashed by the publisher when a reader needs it (a lent snapshot never does)
         )
         self.publisher.publish(snapshot)
         atomic_write_text(self.run_dir / SYNC_STATE_FILE, json.dumps({"version": self.version}), fsync=False)

@@ -32,7 +32,7 @@ import uuid
 import warnings
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +79,18 @@ class Snapshot:
     manifest: WeightsManifest
     flat: torch.Tensor  # uint8 [total_bytes], never modified once published
     path: str | None = None  # the /dev/shm file `flat` maps, when it is shared
+    _hashed: Snapshot | None = field(default=None, repr=False, compare=False)
+
+    def hashed(self) -> Snapshot:
+        """This snapshot with every chunk's hash filled in (computed once, on first need: a sampler
+        lent the file never needs them, one fetching chunks or reading files does)."""
+        if all(digest for _, _, digest in self.manifest.chunks):
+            return self
+        if self._hashed is None:
+            data = memoryview(self.flat.numpy())
+            chunks = tuple((o, n, _hash(data[o : o + n])) for o, n, _ in self.manifest.chunks)
+            self._hashed = Snapshot(replace(self.manifest, chunks=chunks), self.flat, self.path)
+        return self._hashed
 
     def chunk(self, index: int) -> memoryview:
         offset, nbytes, _ = self.manifest.chunks[index]
@@ -115,12 +127,14 @@ def take_snapshot(
     chunk_bytes: int = CHUNK_BYTES,
     out: torch.Tensor | None = None,
     path: str | None = None,
+    hashed: bool = True,
 ) -> Snapshot:
     """Copy tensors (any device) into a flat CPU buffer, cast to `dtype` (None: keep each one's).
 
     `out`, a buffer of an earlier snapshot of the same model that nobody reads any more, is reused:
     a fresh 0.5 GB buffer costs 8x a copy into warm pages (page faults), measured in
-    benchmarks/weight_sync.py. `path` names the shared file `out` maps, if any."""
+    benchmarks/weight_sync.py. `path` names the shared file `out` maps, if any. `hashed=False`
+    leaves the chunk hashes empty until `Snapshot.hashed()` is asked for them."""
     items = [(name, t.detach()) for name, t in named_tensors]
     specs, offset = snapshot_layout(items, dtype)
     reuse = out is not None and out.numel() == offset
@@ -131,13 +145,10 @@ def take_snapshot(
         tensor_view(flat, spec).copy_(t)
         end = spec.offset + spec.nbytes
     flat[end:] = 0
-    data = memoryview(flat.numpy())
-    chunks = tuple(
-        (start, min(chunk_bytes, offset - start), _hash(data[start : start + chunk_bytes]))
-        for start in range(0, offset, chunk_bytes)
-    )
+    chunks = tuple((start, min(chunk_bytes, offset - start), "") for start in range(0, offset, chunk_bytes))
     manifest = WeightsManifest(version, run_id, offset, tuple(specs), chunks)
-    return Snapshot(manifest, flat, path if reuse else None)
+    snapshot = Snapshot(manifest, flat, path if reuse else None)
+    return snapshot.hashed() if hashed else snapshot
 
 
 class SnapshotBuffers:
@@ -331,7 +342,7 @@ class WeightServer:
         self._status = TrainerStatus(version=-1, run_id=run_id)
         self._stop = False
         self._in_flight: list[tuple[int, zmq.MessageTracker]] = []  # (buffer address, tracker)
-        self._leases: list[tuple[int, float]] = []  # (buffer address, monotonic time it ends)
+        self._leases: list[tuple[int, float, bytes]] = []  # (buffer address, monotonic end, borrower)
         self._seen: dict[bytes, float] = {}  # sampler identity -> when it last asked something
         self._told_finished: set[bytes] = set()
         self._last_probe = 0.0
@@ -352,9 +363,9 @@ class WeightServer:
         with self._lock:
             self._in_flight = [(ptr, t) for ptr, t in self._in_flight if not t.done]
             now = time.monotonic()
-            self._leases = [(ptr, until) for ptr, until in self._leases if until > now]
+            self._leases = [lease for lease in self._leases if lease[1] > now]
             published = self._snapshot is not None and self._snapshot.flat.data_ptr() == flat.data_ptr()
-            lent = [ptr for ptr, _ in self._in_flight] + [ptr for ptr, _ in self._leases]
+            lent = [ptr for ptr, _ in self._in_flight] + [ptr for ptr, _, _ in self._leases]
             return published or flat.data_ptr() in lent
 
     def untold(self, window_s: float = 120.0) -> int:
@@ -418,7 +429,7 @@ class WeightServer:
         identity, body = frames[0].bytes, frames[1:]
         try:
             kind, payload = decode_control(body, max_bytes=MAX_REQUEST_BYTES)
-            if kind not in ("status", "fetch") or not isinstance(payload.get("request"), str):
+            if kind not in ("status", "fetch", "release") or not isinstance(payload.get("request"), str):
                 raise WireError(f"unknown request {kind!r}")
         except WireError as err:
             self.dropped[err.reason] += 1
@@ -430,6 +441,10 @@ class WeightServer:
 
     def _handle(self, identity: bytes, kind: str, payload: dict) -> list:
         request = payload["request"]
+        if kind == "release":  # a borrower finished loading: its leased buffers may be reused
+            with self._lock:
+                self._leases = [lease for lease in self._leases if lease[2] != identity]
+            return []
         with self._lock:
             snapshot, status = self._snapshot, self._status
         if kind == "fetch":
@@ -499,7 +514,7 @@ class WeightServer:
         the lease ends (the sampler checks it finished loading before then)."""
         until = time.monotonic() + LEASE_S
         with self._lock:
-            self._leases.append((snapshot.flat.data_ptr(), until))
+            self._leases.append((snapshot.flat.data_ptr(), until, identity))
         payload = {
             "request": request,
             "path": snapshot.path,
@@ -510,6 +525,7 @@ class WeightServer:
             self.served["shared"] += 1
 
     def _send_snapshot(self, identity: bytes, request: str, snapshot: Snapshot) -> None:
+        snapshot = snapshot.hashed()  # once per version, in this thread, for the first chunk fetch
         address = snapshot.flat.data_ptr()
         for index in range(len(snapshot.manifest.chunks)):
             frames = encode_weights_chunk(snapshot.manifest, index, snapshot.chunk(index), request=request)
@@ -673,6 +689,12 @@ class WeightClient:
         """After loading a lent snapshot: whether the trainer still guaranteed it unchanged."""
         return self.lease_until is None or time.monotonic() < self.lease_until
 
+    def release(self) -> None:
+        """Done with a lent snapshot: the trainer may overwrite its buffer now (no reply)."""
+        if self.lease_until is not None:
+            self._request("release", {})
+            self.lease_until = None
+
     def _control_reply(self, frame: zmq.Frame, request: str) -> tuple[str | None, dict]:
         try:
             kind, payload = decode_control([frame], max_bytes=self._max_bytes)
@@ -762,6 +784,8 @@ class FsWeightWriter:
         self._write_status()
 
     def publish(self, snapshot: Snapshot) -> None:
+        snapshot = snapshot.hashed()  # readers check every chunk
+
         def write(tmp: Path) -> None:
             with open(tmp / "weights.bin", "wb") as f:
                 f.write(memoryview(snapshot.flat.numpy()))
