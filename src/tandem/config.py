@@ -328,13 +328,21 @@ def _unknown_key_message(key: str, cls: type, prefix: str) -> str:
     names = [f.name for f in dataclasses.fields(cls)]
     close = difflib.get_close_matches(key, names, n=1)
     if not close:  # a key one section too high, e.g. `learning_rate` for `training.learning_rate`
-        for f in dataclasses.fields(cls):
-            sub = typing.get_type_hints(cls)[f.name]
-            if dataclasses.is_dataclass(sub):
-                match = difflib.get_close_matches(key, [g.name for g in dataclasses.fields(sub)], n=1)
-                if match:
-                    close = [f"{f.name}.{match[0]}"]
-                    break
+        sections = [
+            (f.name, [g.name for g in dataclasses.fields(sub)])
+            for f in dataclasses.fields(cls)
+            if dataclasses.is_dataclass(sub := typing.get_type_hints(cls)[f.name])
+        ]
+        exact = [f"{section}.{key}" for section, keys in sections if key in keys]
+        near = [
+            (difflib.SequenceMatcher(None, key, match).ratio(), f"{section}.{match}")
+            for section, keys in sections
+            for match in difflib.get_close_matches(key, keys, n=1)
+        ]
+        if exact:  # the first section that has it (grpo before ppo for kl_coef)
+            close = exact[:1]
+        elif near:
+            close = [max(near)[1]]
     hint = f"did you mean `{_join(prefix, close[0])}`?" if close else f"valid keys here: {', '.join(names)}"
     return f"unknown config key `{_join(prefix, key)}`; {hint}"
 

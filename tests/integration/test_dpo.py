@@ -301,8 +301,11 @@ def test_two_ddp_ranks_equal_one_rank(tiny_model_dir, tmp_path, reward_model_dir
         torch.testing.assert_close(b[name], value, rtol=0, atol=2e-6, msg=name)
     assert all(r["world_size"] == 2 and r["num_pairs"] in (8, 5) for r in rows_of(tmp_path / "two"))
     for ra, rb in zip(rows_of(tmp_path / "one"), rows_of(tmp_path / "two"), strict=True):
-        for key in ("loss", "reward_margin", "margin_mean", "grad_norm"):
+        for key in ("loss", "reward_margin", "grad_norm"):
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), key
+        # reward-model scores of the same answers in differently padded batches: fp32 rounding of the
+        # scores (~0.1) is ~1e-7 each, and the mean margin (~0.007) is a difference of such scores
+        assert rb["margin_mean"] == pytest.approx(ra["margin_mean"], abs=1e-6)
     assert rows_of(tmp_path / "two")[-1]["eval_loss"] == pytest.approx(
         rows_of(tmp_path / "one")[-1]["eval_loss"], rel=1e-5
     )

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from tandem.algorithms.dpo import dpo_loss, safe_mm_margin, sequence_logps
-from tandem.config import Config, ConfigError, config_to_dict
+from tandem.config import Config, ConfigError
 from tandem.data.preferences import EncodedPair, PreferencePair, encode_pair, load_preferences
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import DistEnv, all_reduce_sum
@@ -28,9 +28,7 @@ from tandem.models.loading import check_same_tokenizer, load_causal_lm, load_tok
 from tandem.models.lora import BaseOfAdapter, is_lora
 from tandem.models.reward import RewardScorer
 from tandem.sampler.rollout import model_kwargs
-from tandem.trainer import checkpoint as ckpt
 from tandem.trainer import run
-from tandem.trainer.metrics import SUPERVISED_FIELDS, MetricsLogger
 from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
 from tandem.trainer.runtime import autocast
 
@@ -71,22 +69,9 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     steps_per_epoch = math.ceil(len(train.pairs) / batch_size)
     total_steps = min(tc.max_steps, tc.num_epochs * steps_per_epoch)
     # the data position is the step: batches are a function of (seed, epoch), checked on resume
-    state = {"num_train_pairs": len(train.pairs), "batch_size": batch_size}
-    step = 0
-    if resume_path is not None:
-        saved = ckpt.load_checkpoint(resume_path, engine=engine, env=env)
-        check_resume(saved, state)
-        step = saved["step"]
-        if env.is_main:
-            log.info("resumed from %s at step %d", resume_path, step)
-
-    logger = (
-        MetricsLogger(
-            run_dir, tc.report_to, resume_step=step, config=config_to_dict(cfg), required=SUPERVISED_FIELDS
-        )
-        if env.is_main
-        else None
-    )
+    data_state = {"num_train_pairs": len(train.pairs), "batch_size": batch_size}
+    step = run.resume_data_loop(resume_path, engine, env, data_state)
+    logger = run.data_loop_logger(cfg, env, step)
     bar = tqdm(total=total_steps, initial=step, desc="dpo", dynamic_ncols=True, disable=not env.is_main)
     last_saved = step
     batches: tuple[int, list[list[int]]] = (-1, [])  # (epoch, its batches of pair indices)
@@ -110,14 +95,14 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row['reward_accuracy']:.2f}")
             if tc.save_steps and step % tc.save_steps == 0:
-                run.save(checkpoints_dir, step, engine, env, None, tokenizer, state, tc.save_total_limit)
+                run.save(checkpoints_dir, step, engine, env, None, tokenizer, data_state, tc.save_total_limit)
                 last_saved = step
     finally:
         bar.close()
         if logger is not None:
             logger.close()
     if last_saved != step:
-        run.save(checkpoints_dir, step, engine, env, None, tokenizer, state, tc.save_total_limit)
+        run.save(checkpoints_dir, step, engine, env, None, tokenizer, data_state, tc.save_total_limit)
     return export_final(engine, env, tokenizer, run_dir / "final")
 
 
@@ -168,15 +153,6 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(
             "`model.reference_offload` with dpo.reference_logps=online would reload the reference for "
             "every micro-batch; set dpo.reference_logps=precompute, which frees the reference before training"
-        )
-
-
-def check_resume(saved: dict, state: dict) -> None:
-    found = {key: saved.get(key) for key in state}
-    if found != state:
-        raise ConfigError(
-            f"the checkpoint was written with {found}, this run has {state}; resume with the same data.* "
-            "settings and micro_batch_size x gradient_accumulation_steps x ranks, or start a new run"
         )
 
 

@@ -22,15 +22,13 @@ from tqdm import tqdm
 
 from tandem.algorithms.reward_model import pairwise_loss
 from tandem.atomic import atomic_write_text
-from tandem.config import Config, ConfigError, config_to_dict
+from tandem.config import Config, ConfigError
 from tandem.data.preferences import EncodedPair, encode_pair, load_preferences
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import DistEnv, all_reduce_sum
 from tandem.models.reward import ScoreModule, load_reward_model, pad_right
 from tandem.rewards.model import INFO_FILE
-from tandem.trainer import checkpoint as ckpt
 from tandem.trainer import run
-from tandem.trainer.metrics import SUPERVISED_FIELDS, MetricsLogger
 from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
 from tandem.trainer.runtime import autocast
 
@@ -64,30 +62,10 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     num_steps = min(tc.max_steps, tc.num_epochs * steps_per_epoch)
     engine = build_engine(model, tc, env, device, forward=ScoreModule(model))
 
-    step = 0
-    if resume_path is not None:
-        state = ckpt.load_checkpoint(resume_path, engine=engine, env=env)
-        step = state["step"]
-        if (state["num_train_pairs"], state["batch_size"]) != (len(train_set), batch_size):
-            raise ConfigError(
-                f"training.resume_from_checkpoint: {resume_path} was saved with {state['num_train_pairs']} "
-                f"training pairs and global batch {state['batch_size']}, this run has {len(train_set)} "
-                f"and {batch_size}; resume with the same data and micro x accumulation x ranks"
-            )
-        if env.is_main:
-            log.info("resumed from %s at step %d (epoch %d)", resume_path, step, state["epoch"])
-
-    logger = (
-        MetricsLogger(
-            cfg.run_dir,
-            tc.report_to,
-            resume_step=step,
-            config=config_to_dict(cfg),
-            required=SUPERVISED_FIELDS,
-        )
-        if env.is_main
-        else None
-    )
+    # the data position is the step: batches are a function of (seed, epoch), checked on resume
+    data_state = {"num_train_pairs": len(train_set), "batch_size": batch_size}
+    step = run.resume_data_loop(resume_path, engine, env, data_state)
+    logger = run.data_loop_logger(cfg, env, step)
     # the untrained head's accuracy (about chance), reported in the first row
     initial = evaluate(engine, eval_set, cfg, device, env, pad_id) if step == 0 else {}
     initial = {f"{k}_initial": v for k, v in initial.items()}

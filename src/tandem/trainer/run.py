@@ -10,12 +10,13 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import Config, dump_config
+from tandem.config import Config, ConfigError, config_to_dict, dump_config
 from tandem.distributed.env import DistEnv, barrier, broadcast_json, init_distributed, main_first, shutdown
 from tandem.models.loading import load_causal_lm, load_tokenizer
 from tandem.models.lora import apply_lora, is_lora
 from tandem.sampler.rollout import model_kwargs
 from tandem.trainer import checkpoint as ckpt
+from tandem.trainer.metrics import SUPERVISED_FIELDS, MetricsLogger
 from tandem.trainer.runtime import resolve_device, set_seed, set_threads, tune_allocator
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,38 @@ def load_policy(cfg: Config, env: DistEnv, device: torch.device, loader: Callabl
             enable()
     model.config.use_cache = False
     return tokenizer, model
+
+
+def resume_data_loop(resume_path: Path | None, engine, env: DistEnv, data_state: dict) -> int:
+    """Load the checkpoint of a loop over a fixed data set (sft, rm, dpo) and return its step (0 for a
+    fresh run). Those loops draw their batches from (seed, epoch), so the step is the data position,
+    valid only while `data_state` (data size, global batch) is what the checkpoint recorded."""
+    if resume_path is None:
+        return 0
+    saved = ckpt.load_checkpoint(resume_path, engine=engine, env=env)
+    found = {key: saved.get(key) for key in data_state}
+    if found != data_state:
+        raise ConfigError(
+            f"training.resume_from_checkpoint: {resume_path} was written with {found}, this run has "
+            f"{data_state}; resume with the same data.* settings and micro_batch_size x "
+            "gradient_accumulation_steps x ranks, or start a new run"
+        )
+    if env.is_main:
+        log.info("resumed from %s at step %d", resume_path, saved["step"])
+    return saved["step"]
+
+
+def data_loop_logger(cfg: Config, env: DistEnv, step: int) -> MetricsLogger | None:
+    """Rank 0's metrics.jsonl for sft, rm and dpo rows (rows past `step` from a crash are dropped)."""
+    if not env.is_main:
+        return None
+    return MetricsLogger(
+        cfg.run_dir,
+        cfg.training.report_to,
+        resume_step=step,
+        config=config_to_dict(cfg),
+        required=SUPERVISED_FIELDS,
+    )
 
 
 def save(

@@ -15,14 +15,12 @@ import torch
 from tqdm import tqdm
 
 from tandem.algorithms.sft import sft_loss
-from tandem.config import Config, ConfigError, config_to_dict
+from tandem.config import Config, ConfigError
 from tandem.data.sft import EncodedExample, PromptStyle, encode_examples, load_sft_splits
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import DistEnv, all_reduce_sum
 from tandem.models.forward import PackedRows
-from tandem.trainer import checkpoint as ckpt
 from tandem.trainer import run
-from tandem.trainer.metrics import SUPERVISED_FIELDS, MetricsLogger
 from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
 from tandem.trainer.runtime import autocast
 
@@ -57,30 +55,10 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     engine = build_engine(policy, tc, env, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # pads are never attended
 
-    step = 0
-    if resume_path is not None:
-        state = ckpt.load_checkpoint(resume_path, engine=engine, env=env)
-        step = state["step"]
-        if (state["num_train_examples"], state["batch_size"]) != (len(train_set), batch_size):
-            raise ConfigError(
-                f"training.resume_from_checkpoint: {resume_path} was saved with {state['num_train_examples']} "
-                f"training examples and global batch {state['batch_size']}, this run has {len(train_set)} "
-                f"and {batch_size}; resume with the same data and micro x accumulation x ranks"
-            )
-        if env.is_main:
-            log.info("resumed from %s at step %d (epoch %d)", resume_path, step, state["epoch"])
-
-    logger = (
-        MetricsLogger(
-            cfg.run_dir,
-            tc.report_to,
-            resume_step=step,
-            config=config_to_dict(cfg),
-            required=SUPERVISED_FIELDS,
-        )
-        if env.is_main
-        else None
-    )
+    # the data position is the step: batches are a function of (seed, epoch), checked on resume
+    data_state = {"num_train_examples": len(train_set), "batch_size": batch_size}
+    step = run.resume_data_loop(resume_path, engine, env, data_state)
+    logger = run.data_loop_logger(cfg, env, step)
     # the baseline the run improves on (eval_loss_initial, eval_perplexity_initial in the first row)
     initial = evaluate(engine, eval_set, cfg, device, env, pad_id) if step == 0 else {}
     initial = {f"{k}_initial": v for k, v in initial.items()}
