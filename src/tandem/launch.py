@@ -272,7 +272,9 @@ def launch(
     def forward(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, forward)
+    # SIGINT explicitly too: a launcher started in the background (nohup, `&`, some CI runners)
+    # inherits SIGINT as ignored, and Python then leaves it ignored
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         launcher.start()
         return launcher.wait()
@@ -281,4 +283,5 @@ def launch(
         launcher.stop_all()
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

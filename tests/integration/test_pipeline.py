@@ -358,7 +358,8 @@ def test_launch_stops_every_process(make_run, how):
         assert "sampler s0 was killed by signal 9; stopping the other processes" in run.log("launch")
     else:
         proc.send_signal(signal.SIGINT)
-        assert run.wait(proc, "launch", timeout=60) == 130
+        rc = run.wait(proc, "launch", timeout=60)
+        assert rc == 130, run.log("launch")[-3000:]
         assert "interrupted" in run.log("launch")
     assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in children)
 
