@@ -107,7 +107,7 @@ print(32 * 128 / dt)
 """
 
 
-def run_trl(python: str, steps: int, tmp: Path) -> dict:
+def run_trl(python: str, steps: int, tmp: Path, bf16: bool = False) -> dict:
     """TRL's GRPOTrainer on the same setting, in its own venv (benchmarks/trl_grpo_step.py)."""
     from tandem.models.loading import resolve_model_path
 
@@ -141,12 +141,15 @@ def main() -> None:
     )
     parser.add_argument("--out", default=str(HERE / "results" / "grpo_step.json"))
     parser.add_argument("--trl-python", help="python of a venv with TRL: measure TRL side by side")
+    parser.add_argument(
+        "--trl-bf16", action="store_true", help="TRL with bf16=True (compare with our bf16 run)"
+    )
     parser.add_argument("overrides", nargs="*", help="more key=value settings for our run")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         ours = run_ours(args.steps, Path(tmp), args.overrides)
-        trl = run_trl(args.trl_python, args.steps, Path(tmp)) if args.trl_python else None
+        trl = run_trl(args.trl_python, args.steps, Path(tmp), args.trl_bf16) if args.trl_python else None
     result = {"setting": OVERRIDES + args.overrides, "ours": ours, "trl_1_16_peer": TRL}
     if trl is not None:
         result["trl_measured_here"] = trl

@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("model_dir")
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (TRL's bf16=True), fp32 weights")
     args = parser.parse_args()
 
     import torch
@@ -94,7 +95,7 @@ def main() -> None:
         beta=0.04,
         learning_rate=1e-6,
         gradient_checkpointing=True,
-        bf16=False,
+        bf16=args.bf16,
         fp16=False,
         use_cpu=True,
         max_steps=args.steps,
