@@ -109,15 +109,20 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     device: str | torch.device = "cpu",
     trainable: bool = True,
+    auto_class=None,
+    **from_pretrained_kwargs,
 ):
-    """A causal LM ready for training (train mode) or frozen inference (eval, no grads)."""
-    from transformers import AutoModelForCausalLM
+    """A causal LM ready for training (train mode) or frozen inference (eval, no grads).
+    `auto_class` loads another head on the same trunk (models/reward.py: sequence classification)."""
+    if auto_class is None:
+        from transformers import AutoModelForCausalLM as auto_class
 
-    model = AutoModelForCausalLM.from_pretrained(
+    model = auto_class.from_pretrained(
         resolve_model_path(spec),
         dtype=DTYPES[dtype],
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
+        **from_pretrained_kwargs,
     ).to(device)
     check_supported(model)
     if trainable:

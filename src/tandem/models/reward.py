@@ -10,35 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from tandem.models.loading import DTYPES, check_supported, load_tokenizer, resolve_model_path
+from tandem.models.loading import load_causal_lm, load_tokenizer
 
 
-def load_reward_model(
-    spec: str,
-    *,
-    dtype: str = "float32",
-    attn_implementation: str = "sdpa",
-    trust_remote_code: bool = False,
-    device: str | torch.device = "cpu",
-    trainable: bool = True,
-):
+def load_reward_model(spec: str, **kwargs):
     """A reward model from a `tandem rm` folder, or a fresh scalar head on any causal LM (HF
-    folder, hub id, GGUF, `embedded`)."""
+    folder, hub id, GGUF, `embedded`); keyword arguments as load_causal_lm's."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(
-        resolve_model_path(spec),
-        num_labels=1,
-        dtype=DTYPES[dtype],
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-    ).to(device)
-    check_supported(model)
-    if trainable:
-        model.train()
-    else:
-        model.eval().requires_grad_(False)
-    return model
+    return load_causal_lm(spec, auto_class=AutoModelForSequenceClassification, num_labels=1, **kwargs)
 
 
 def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,6 @@ import contextlib
 import gc
 import logging
 import math
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,9 +179,7 @@ def load_pairs(cfg: Config) -> tuple[list[PreferencePair], list[PreferencePair]]
 def epoch_batches(num_pairs: int, batch_size: int, epoch: int, cfg: Config) -> list[list[int]]:
     """One epoch's optimizer batches of pair indices: a fixed shuffle per (seed, epoch), so a
     resumed run finds its place from the step alone; the last batch may be short."""
-    order = list(range(num_pairs))
-    if cfg.data.shuffle:
-        random.Random(f"{cfg.seed}/dpo/{epoch}").shuffle(order)
+    order = run.epoch_order(num_pairs, epoch, cfg.seed, cfg.data.shuffle, "dpo")
     return [order[i : i + batch_size] for i in range(0, num_pairs, batch_size)]
 
 

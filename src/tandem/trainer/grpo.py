@@ -88,23 +88,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
         step = state["step"]
         if env.is_main:
             log.info("resumed from %s at step %d", resume_path, step)
-    experience = None
-    if env.is_main:
-        if cfg.pipeline.mode == "colocated":
-            if getattr(engine, "stage", 0) == 3:
-                raise ConfigError(
-                    "`pipeline.mode` is colocated but ZeRO-3 shards the policy across ranks, so rank 0 "
-                    "cannot generate with it; use pipeline.mode=decoupled (or training.zero_stage=2)"
-                )
-            experience = local_experience(cfg, engine.module, tokenizer, generator, device)
-        else:
-            with engine.gathered():
-                experience = RemoteExperience(cfg, run_dir, engine.module)
-        if state is not None:
-            experience.load_state_dict(state["experience"])
-    else:
-        with engine.gathered():  # RemoteExperience publishes the initial weights: ranks gather with it
-            pass
+    experience = open_experience(cfg, env, engine, tokenizer, generator, device, state)
 
     logger = (
         MetricsLogger(run_dir, tc.report_to, resume_step=step, config=config_to_dict(cfg))
@@ -203,6 +187,28 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
 
 
 PER_BATCH_TIMES = {"time_generate", "time_reference", "time_reward", "wait_seconds"}
+
+
+def open_experience(cfg: Config, env: DistEnv, engine, tokenizer, generator, device, state: dict | None):
+    """Where groups come from, on rank 0 (None on the others): this process's own rollout
+    (colocated) or the samplers (decoupled, whose RemoteExperience publishes the initial weights:
+    every rank takes part in gathering them under ZeRO-3)."""
+    if not env.is_main:
+        with engine.gathered():
+            return None
+    if cfg.pipeline.mode == "colocated":
+        if getattr(engine, "stage", 0) == 3:
+            raise ConfigError(
+                "`pipeline.mode` is colocated but ZeRO-3 shards the policy across ranks, so rank 0 "
+                "cannot generate with it; use pipeline.mode=decoupled (or training.zero_stage=2)"
+            )
+        experience = local_experience(cfg, engine.module, tokenizer, generator, device)
+    else:
+        with engine.gathered():
+            experience = RemoteExperience(cfg, cfg.run_dir, engine.module)
+    if state is not None:
+        experience.load_state_dict(state["experience"])
+    return experience
 
 
 def local_experience(cfg: Config, policy, tokenizer, generator, device) -> LocalExperience:

@@ -40,11 +40,10 @@ from tandem.models.value_head import ValueHeadModel
 from tandem.trainer import checkpoint as ckpt
 from tandem.trainer import run
 from tandem.trainer.batching import MicroBatch, Sample, collate, flatten_groups, split_micro_batches
-from tandem.trainer.experience import RemoteExperience
 from tandem.trainer.grpo import (
     PER_BATCH_TIMES,
     Share,
-    local_experience,
+    open_experience,
     sample_rows,
     scatter_share,
     summarize_groups,
@@ -106,23 +105,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
         step = state["step"]
         if env.is_main:
             log.info("resumed from %s at step %d", resume_path, step)
-    experience = None
-    if env.is_main:
-        if cfg.pipeline.mode == "colocated":
-            if getattr(engine, "stage", 0) == 3:
-                raise ConfigError(
-                    "`pipeline.mode` is colocated but ZeRO-3 shards the policy across ranks, so rank 0 "
-                    "cannot generate with it; use pipeline.mode=decoupled (or training.zero_stage=2)"
-                )
-            experience = local_experience(cfg, engine.module, tokenizer, generator, device)
-        else:
-            with engine.gathered():
-                experience = RemoteExperience(cfg, run_dir, engine.module)
-        if state is not None:
-            experience.load_state_dict(state["experience"])
-    else:
-        with engine.gathered():  # RemoteExperience publishes the initial weights: ranks gather with it
-            pass
+    experience = open_experience(cfg, env, engine, tokenizer, generator, device, state)
 
     logger = (
         MetricsLogger(run_dir, tc.report_to, resume_step=step, config=config_to_dict(cfg))

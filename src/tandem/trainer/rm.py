@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from tqdm import tqdm
 
 from tandem.algorithms.reward_model import pairwise_loss
 from tandem.atomic import atomic_write_text
-from tandem.config import Config, ConfigError
+from tandem.config import Config
 from tandem.data.preferences import EncodedPair, encode_pair, load_preferences
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import DistEnv, all_reduce_sum
@@ -52,13 +51,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
         model.config.pad_token_id = pad_id
     train_set, eval_set = load_data(cfg, tokenizer)
     batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
-    steps_per_epoch = len(train_set) // batch_size  # the last partial batch of an epoch is left out
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"`data.num_examples`: {len(train_set)} training pairs do not fill one optimizer step of "
-            f"training.micro_batch_size x gradient_accumulation_steps x {env.world_size} ranks = "
-            f"{batch_size}; use more pairs or a smaller batch"
-        )
+    steps_per_epoch = run.full_batches_per_epoch(len(train_set), batch_size, env, "pairs")
     num_steps = min(tc.max_steps, tc.num_epochs * steps_per_epoch)
     engine = build_engine(model, tc, env, device, forward=ScoreModule(model))
 
@@ -76,7 +69,10 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
             t0 = time.perf_counter()
             epoch, index = divmod(step, steps_per_epoch)
             if epoch != order_epoch:
-                order, order_epoch = epoch_order(len(train_set), epoch, cfg.seed, cfg.data.shuffle), epoch
+                order, order_epoch = (
+                    run.epoch_order(len(train_set), epoch, cfg.seed, cfg.data.shuffle, "rm"),
+                    epoch,
+                )
             batch = [train_set[i] for i in order[index * batch_size : (index + 1) * batch_size]]
             row = optimizer_step(engine, batch, cfg, device, env, pad_id)
             step += 1
@@ -87,7 +83,16 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
                 final_eval = evaluate(engine, eval_set, cfg, device, env, pad_id)
                 row.update(final_eval, time_eval=time.perf_counter() - t1)
             if tc.save_steps and step % tc.save_steps == 0:
-                save(checkpoints_dir, step, engine, env, tokenizer, steps_per_epoch, len(train_set), tc)
+                run.save_data_loop(
+                    checkpoints_dir,
+                    step,
+                    engine,
+                    env,
+                    tokenizer,
+                    steps_per_epoch,
+                    data_state,
+                    tc.save_total_limit,
+                )
                 last_saved = step
             if not env.is_main:
                 continue
@@ -104,7 +109,9 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
         if logger is not None:
             logger.close()
     if last_saved != step:
-        save(checkpoints_dir, step, engine, env, tokenizer, steps_per_epoch, len(train_set), tc)
+        run.save_data_loop(
+            checkpoints_dir, step, engine, env, tokenizer, steps_per_epoch, data_state, tc.save_total_limit
+        )
     final = export_final(engine, env, tokenizer, cfg.run_dir / "final")
     if env.is_main:
         info = {"task": cfg.rm.task, "max_length": cfg.rm.max_length, "base_model": cfg.model.policy}
@@ -130,15 +137,6 @@ def load_data(cfg: Config, tokenizer) -> tuple[list[EncodedPair], list[EncodedPa
         [encode_pair(tokenizer, p, max_length) for p in train],
         [encode_pair(tokenizer, p, max_length) for p in held_out],
     )
-
-
-def epoch_order(num_pairs: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
-    """The pair order of one epoch, a function of (seed, epoch) alone: a resumed run finds its
-    place from the step number."""
-    order = list(range(num_pairs))
-    if shuffle:
-        random.Random(f"rm/{seed}/{epoch}").shuffle(order)
-    return order
 
 
 def score_pairs(model, pairs: list[EncodedPair], device: torch.device, pad_id: int):
@@ -225,14 +223,3 @@ def evaluate(
         "eval_accuracy": correct / len(pairs),
         "eval_margin_mean": margin_sum / len(pairs),
     }
-
-
-def save(checkpoints_dir, step, engine, env, tokenizer, steps_per_epoch, num_train_pairs, tc) -> None:
-    epoch, index = divmod(step, steps_per_epoch)
-    state = {
-        "epoch": epoch,
-        "batch_in_epoch": index,  # the data position; epoch_order(seed, epoch) gives the order
-        "num_train_pairs": num_train_pairs,
-        "batch_size": tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size,
-    }
-    run.save(checkpoints_dir, step, engine, env, None, tokenizer, state, tc.save_total_limit)

@@ -5,6 +5,7 @@ checkpoints and the final export. Each method's loop (grpo, sft, rm, dpo, ppo) c
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,6 +84,43 @@ def load_policy(cfg: Config, env: DistEnv, device: torch.device, loader: Callabl
             enable()
     model.config.use_cache = False
     return tokenizer, model
+
+
+def full_batches_per_epoch(num_items: int, batch_size: int, env: DistEnv, what: str) -> int:
+    """Optimizer steps per epoch of a data loop (sft, rm); the last partial batch is left out."""
+    steps = num_items // batch_size
+    if steps == 0:
+        raise ConfigError(
+            f"`data.num_examples`: {num_items} training {what} do not fill one optimizer step of "
+            f"training.micro_batch_size x gradient_accumulation_steps x {env.world_size} ranks = "
+            f"{batch_size}; use more {what} or a smaller batch"
+        )
+    return steps
+
+
+def epoch_order(num_items: int, epoch: int, seed: int, shuffle: bool, salt: str) -> list[int]:
+    """The item order of one epoch, a function of (seed, epoch) alone: a resumed run finds its
+    place from the step number."""
+    order = list(range(num_items))
+    if shuffle:
+        random.Random(f"{salt}/{seed}/{epoch}").shuffle(order)
+    return order
+
+
+def save_data_loop(
+    checkpoints_dir: Path,
+    step: int,
+    engine,
+    env: DistEnv,
+    tokenizer,
+    steps_per_epoch: int,
+    data_state: dict,
+    keep: int,
+) -> None:
+    """A checkpoint of a data loop: the step is the data position (epoch_order gives the order)."""
+    epoch, index = divmod(step, steps_per_epoch)
+    state = {"epoch": epoch, "batch_in_epoch": index, **data_state}
+    save(checkpoints_dir, step, engine, env, None, tokenizer, state, keep)
 
 
 def resume_data_loop(resume_path: Path | None, engine, env: DistEnv, data_state: dict) -> int:

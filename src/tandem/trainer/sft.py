@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from tandem.algorithms.sft import sft_loss
-from tandem.config import Config, ConfigError
+from tandem.config import Config
 from tandem.data.sft import EncodedExample, PromptStyle, encode_examples, load_sft_splits
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import DistEnv, all_reduce_sum
@@ -44,13 +43,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     tokenizer, policy = load_policy(cfg, env, device)
     train_set, eval_set = load_data(cfg, tokenizer)
     batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
-    steps_per_epoch = len(train_set) // batch_size  # the last partial batch of an epoch is left out
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"`data.num_examples`: {len(train_set)} training examples do not fill one optimizer step of "
-            f"training.micro_batch_size x gradient_accumulation_steps x {env.world_size} ranks = "
-            f"{batch_size}; use more examples or a smaller batch"
-        )
+    steps_per_epoch = run.full_batches_per_epoch(len(train_set), batch_size, env, "examples")
     num_steps = min(tc.max_steps, tc.num_epochs * steps_per_epoch)
     engine = build_engine(policy, tc, env, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # pads are never attended
@@ -71,7 +64,10 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
             t0 = time.perf_counter()
             epoch, index = divmod(step, steps_per_epoch)
             if epoch != order_epoch:
-                order, order_epoch = epoch_order(len(train_set), epoch, cfg.seed, cfg.data.shuffle), epoch
+                order, order_epoch = (
+                    run.epoch_order(len(train_set), epoch, cfg.seed, cfg.data.shuffle, "sft"),
+                    epoch,
+                )
             batch = [train_set[i] for i in order[index * batch_size : (index + 1) * batch_size]]
             row = optimizer_step(engine, batch, cfg, device, env, pad_id)
             step += 1
@@ -86,7 +82,16 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
                 row.update(evaluate(engine, eval_set, cfg, device, env, pad_id))
                 row["time_eval"] = time.perf_counter() - t1
             if tc.save_steps and step % tc.save_steps == 0:
-                save(checkpoints_dir, step, engine, env, tokenizer, steps_per_epoch, len(train_set), tc)
+                run.save_data_loop(
+                    checkpoints_dir,
+                    step,
+                    engine,
+                    env,
+                    tokenizer,
+                    steps_per_epoch,
+                    data_state,
+                    tc.save_total_limit,
+                )
                 last_saved = step
             if not env.is_main:
                 continue
@@ -102,7 +107,9 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
         if logger is not None:
             logger.close()
     if last_saved != step:
-        save(checkpoints_dir, step, engine, env, tokenizer, steps_per_epoch, len(train_set), tc)
+        run.save_data_loop(
+            checkpoints_dir, step, engine, env, tokenizer, steps_per_epoch, data_state, tc.save_total_limit
+        )
     return export_final(engine, env, tokenizer, cfg.run_dir / "final")
 
 
@@ -125,15 +132,6 @@ def load_data(cfg: Config, tokenizer) -> tuple[list[EncodedExample], list[Encode
         encode_examples(tokenizer, train, what="train", **kw),
         encode_examples(tokenizer, held_out, what="eval", **kw),
     )
-
-
-def epoch_order(num_examples: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
-    """The example order of one epoch, a function of (seed, epoch) alone: a resumed run finds its
-    place from the step number."""
-    order = list(range(num_examples))
-    if shuffle:
-        random.Random(f"sft/{seed}/{epoch}").shuffle(order)
-    return order
 
 
 def optimizer_step(
@@ -282,14 +280,3 @@ def pack_examples(rows: list[list[tuple[list[int], int]]], pad_id: int = 0) -> P
         targets=torch.tensor(targets, dtype=torch.long),
         completion_lengths=lengths,
     )
-
-
-def save(checkpoints_dir, step, engine, env, tokenizer, steps_per_epoch, num_train_examples, tc) -> None:
-    epoch, index = divmod(step, steps_per_epoch)
-    state = {
-        "epoch": epoch,
-        "batch_in_epoch": index,  # the data position; epoch_order(seed, epoch) gives the order
-        "num_train_examples": num_train_examples,
-        "batch_size": tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size,
-    }
-    run.save(checkpoints_dir, step, engine, env, None, tokenizer, state, tc.save_total_limit)
