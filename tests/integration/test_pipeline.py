@@ -208,7 +208,9 @@ def test_two_samplers_share_the_work_and_every_group_is_accounted_for(make_run):
 
 
 def test_sampler_killed_and_restarted_rejoins_with_the_latest_weights(make_run):
-    run = make_run("samplerkill", "training.max_steps=10")
+    # enough steps that the trainer still needs groups after the first sampler dies (a step of this
+    # tiny model takes milliseconds: 10 steps could all be made before the kill lands)
+    run = make_run("samplerkill", "training.max_steps=60")
     trainer, first = run.trainer(), run.sampler()
     run.wait_for(lambda: len(run.rows()) >= 3, "three trainer steps")
     first.kill()
@@ -221,7 +223,7 @@ def test_sampler_killed_and_restarted_rejoins_with_the_latest_weights(make_run):
     rejoined = run.sampler_rows()[seen_before:]
     assert rejoined and rejoined[0]["policy_version"] >= killed_at  # never back to old weights
     assert rejoined[0]["time_weights"] > 0  # it fetched before its first batch
-    assert [r["step"] for r in run.rows()] == list(range(1, 11))
+    assert [r["step"] for r in run.rows()] == list(range(1, 61))
     assert "trainer finished" in run.log("s0")
 
 
