@@ -27,7 +27,7 @@ from tandem.transport.weights import (  # noqa: E402
     take_snapshot,
     tensor_view,
 )
-from tandem.transport.wire import encode_control  # noqa: E402
+from tandem.transport.wire import decode_control, encode_control, encode_weights_chunk  # noqa: E402
 
 
 def model_pair(tiny_model_dir, seed=1):
@@ -225,6 +225,50 @@ def test_client_of_a_silent_trainer_times_out():
     assert client.status(timeout_s=0.2) is None and client.fetch(timeout_s=0.2) is None
     assert time.monotonic() - start < 3
     client.close()
+
+
+def slow_trainer(snap, address: str, *, pause_s: float, stop_after: int) -> threading.Thread:
+    """A hand-driven trainer that answers one fetch with `stop_after` chunks, `pause_s` apart."""
+
+    def serve() -> None:
+        ctx = zmq.Context.instance()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(address)
+        identity, body = router.recv_multipart()
+        request = decode_control([body], max_bytes=4096)[1]["request"]
+        for index in range(stop_after):
+            time.sleep(pause_s)
+            router.send_multipart(
+                [identity, *encode_weights_chunk(snap.manifest, index, snap.chunk(index), request=request)]
+            )
+        time.sleep(0.5)
+        router.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_fetch_waits_for_a_slow_transfer_but_not_for_a_silent_one(tiny_model):
+    snap = take_snapshot(tiny_model.named_parameters(), version=0, run_id="run-a", chunk_bytes=4096)
+    n = len(snap.manifest.chunks)
+    assert n >= 8
+    # chunks keep coming: the whole transfer outlasts timeout_s and still completes
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    thread = slow_trainer(snap, address, pause_s=2.0 / (n // 2), stop_after=n)
+    client = WeightClient(address)
+    manifest, flat = client.fetch(timeout_s=2.0)
+    assert manifest.version == 0 and torch.equal(flat, snap.flat)
+    client.close()
+    thread.join()
+    # the trainer stops half-way (it died): the fetch gives up instead of waiting for the rest
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    thread = slow_trainer(snap, address, pause_s=0.0, stop_after=n // 2)
+    client = WeightClient(address)
+    assert client.fetch(timeout_s=1.0) is None
+    client.close()
+    thread.join()
 
 
 def test_fs_sync_is_atomic_checksummed_and_pruned(tiny_model_dir, tmp_path):

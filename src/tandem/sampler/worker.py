@@ -43,7 +43,13 @@ from tandem.models.lora import adapter_parameters, is_lora
 from tandem.sampler.rollout import build_rollout, prompt_stream
 from tandem.trainer.runtime import resolve_device, set_seed, set_threads
 from tandem.transport.channel import GroupSender
-from tandem.transport.weights import FsWeightReader, WeightClient, load_weights, sync_address
+from tandem.transport.weights import (
+    FsWeightReader,
+    WeightClient,
+    WeightSyncError,
+    load_weights,
+    sync_address,
+)
 from tandem.types import TrainerStatus
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,7 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0  # long-poll slice while waiting for the trainer
 STARVED_GRACE_S = 5.0  # at quota, wait this long for new weights before honouring `starved`
 SILENT_WARN_S = 30.0
+FETCH_IDLE_S = 30.0  # a weight fetch gives up after this long without a frame (then asks again)
 
 
 def default_sampler_id() -> str:
@@ -182,14 +189,36 @@ class Sampler:
         self.weights = local
         self.trainer_where = self.trainer_where.replace(f"tcp://{p.trainer_host}:{p.sync_port}", address)
 
-    def update_weights(self, status: TrainerStatus) -> float:
+    def update_weights(self, status: TrainerStatus) -> float | None:
+        """Fetch and load the newest weights; the seconds it took, or None when it failed (the
+        trainer went away, pruned that version, or sent a bad reply: the next status says what now)."""
         start = time.perf_counter()
         self._prefer_local_socket(status)
-        policy = self.rollout.policy
-        params = adapter_parameters(policy) if is_lora(policy) else None
         # a trainer on this host (reached over its ipc twin) lends its snapshot file: no bytes sent
         local = isinstance(self.weights, WeightClient) and self.weights.address.startswith("ipc://")
-        got = self.weights.fetch(timeout_s=120.0, shared=True) if local else None
+        try:
+            got = self._fetch(status, local)
+        except WeightSyncError as err:  # a bad reply costs this attempt only; the next status retries
+            log.warning("sampler %s: %s; asking the trainer again", self.sampler_id, err)
+            return None
+        if got is None:
+            return None
+        manifest = got[0]
+        if manifest.run_id != self.run_id:
+            log.info(
+                "sampler %s: trainer run %s, weights v%d", self.sampler_id, manifest.run_id, manifest.version
+            )
+            self.first_version, self.made = manifest.version, 0
+        self.version, self.run_id = manifest.version, manifest.run_id
+        return time.perf_counter() - start
+
+    def _fetch(self, status: TrainerStatus, local: bool) -> tuple | None:
+        """Fetch and load the newest weights: borrowed from a same-host trainer, else in chunks."""
+        policy = self.rollout.policy
+        params = adapter_parameters(policy) if is_lora(policy) else None
+        got = self.weights.fetch(timeout_s=FETCH_IDLE_S, shared=True) if local else None
+        if local and got is None and not self._same_trainer(status):
+            return None  # the loan failed because its lender exited: a restarted trainer is next
         if got is not None:
             load_weights(policy, got[1], got[0], params)
             held = self.weights.lease_held()
@@ -200,18 +229,16 @@ class Sampler:
                 )
                 got = None
         if got is None:
-            got = self.weights.fetch(timeout_s=120.0)
-            if got is None:
-                return 0.0  # the trainer went away or pruned it: the next status says what now
-            load_weights(policy, got[1], got[0], params)
-        manifest = got[0]
-        if manifest.run_id != self.run_id:
-            log.info(
-                "sampler %s: trainer run %s, weights v%d", self.sampler_id, manifest.run_id, manifest.version
-            )
-            self.first_version, self.made = manifest.version, 0
-        self.version, self.run_id = manifest.version, manifest.run_id
-        return time.perf_counter() - start
+            got = self.weights.fetch(timeout_s=FETCH_IDLE_S)
+            if got is not None:
+                load_weights(policy, got[1], got[0], params)
+        return got
+
+    def _same_trainer(self, status: TrainerStatus) -> bool:
+        """Whether the trainer that sent `status` still answers (a request sent just as it died is
+        lost, so this is asked before a chunk fetch that would otherwise wait FETCH_IDLE_S)."""
+        answer = self.weights.status(timeout_s=2.0)
+        return answer is not None and answer.run_id == status.run_id
 
     def remaining(self) -> int:
         """Groups this sampler may still make before it waits for newer weights."""
@@ -251,7 +278,7 @@ class Sampler:
                 time_weights = 0.0
                 if status.run_id != self.run_id or status.version > self.version:
                     time_weights = self.update_weights(status)
-                    if self.version < 0 or self.remaining() <= 0:
+                    if time_weights is None or self.remaining() <= 0:
                         continue  # the fetch failed, or nothing to make yet: ask again
                 time_wait = time.perf_counter() - wait_start - time_weights
                 n = self.batch_prompts

@@ -647,8 +647,10 @@ class WeightClient:
     def fetch(
         self, *, timeout_s: float = 60.0, shared: bool = False
     ) -> tuple[WeightsManifest, torch.Tensor] | None:
-        """The newest version (manifest, flat buffer); None if the trainer has none yet or is silent.
-        The buffer is reused between fetches: apply it (load_weights) before fetching again.
+        """The newest version (manifest, flat buffer); None if the trainer has none yet or is silent
+        for `timeout_s` (counted from the request and again from each frame received, so a large
+        snapshot may take longer in all, while a request lost to a trainer that died costs only
+        `timeout_s`). The buffer is reused between fetches: apply it (load_weights) before fetching again.
 
         `shared` (a sampler on the trainer's host): ask to be lent the trainer's shared snapshot
         instead of its chunks; the buffer returned then maps the trainer's file, and `lease_held()`
@@ -678,9 +680,11 @@ class WeightClient:
                 if self._flat is None or self._flat.numel() != manifest.total_bytes:
                     self._flat = torch.empty(manifest.total_bytes, dtype=torch.uint8)
             if manifest is None or header["index"] != received:
+                self._drain_message()
                 raise WeightSyncError(f"weights chunk {header['index']} arrived out of order")
             self._receive_chunk(manifest, header)
             received += 1
+            deadline = time.monotonic() + timeout_s
             if received == len(manifest.chunks):
                 return manifest, self._flat
         return None
