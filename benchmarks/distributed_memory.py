@@ -66,9 +66,7 @@ def worker(out_dir: str, steps: int, overrides: list[str]) -> None:
     from tandem.models.loading import load_causal_lm
     from tandem.trainer.batching import Sample
     from tandem.trainer.grpo import optimizer_step, scatter_share
-    from tandem.trainer.runtime import tune_allocator
 
-    tune_allocator()
     cfg = load_config(
         None,
         [

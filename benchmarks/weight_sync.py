@@ -24,9 +24,7 @@ median of `--repeats` (after one warm-up):
 Latency is what the sampler sees: from the start of the trainer's snapshot to the weights loaded in
 the sampler's model (both processes read CLOCK_MONOTONIC). Target: <= 0.15 s per sync on one host.
 The split (snapshot, publish, notify, fetch, load) gives each part's own median, so the parts need
-not add up exactly. The trainer side tunes glibc malloc as tandem's trainer does
-(`tune_allocator`; the sampler worker does not); `--default-allocator` leaves it alone,
-`--chunk-mib` sets the chunk size.
+not add up exactly. `--chunk-mib` sets the chunk size.
 Writes benchmarks/results/weight_sync.json.
 """
 
@@ -43,7 +41,6 @@ from pathlib import Path
 
 import torch
 
-from tandem.trainer.runtime import tune_allocator
 from tandem.transport.channel import free_tcp_port
 from tandem.transport.weights import (
     CHUNK_BYTES,
@@ -288,11 +285,6 @@ def main() -> None:
     parser.add_argument(
         "--chunk-mib", type=int, default=CHUNK_BYTES // 2**20, help="snapshot chunk size (<= the default)"
     )
-    parser.add_argument(
-        "--default-allocator",
-        action="store_true",
-        help="leave glibc malloc as it is (trainer and sampler call tune_allocator otherwise)",
-    )
     parser.add_argument("--skip-gloo", action="store_true", help="skip the torch.distributed comparison")
     parser.add_argument("--quick", action="store_true", help="2 repeats, for a smoke test")
     parser.add_argument("--out", default=str(HERE / "results" / "weight_sync.json"))
@@ -304,7 +296,6 @@ def main() -> None:
             f"--chunk-mib must be in [1, {CHUNK_BYTES // 2**20}]: WeightClient refuses larger chunks"
         )
 
-    tuned = not args.default_allocator and tune_allocator()  # as the trainer and the sampler do
     model = build_model(args.model)
     num_params = sum(p.numel() for p in model.parameters())
     nbytes = sync_bytes(model, args.sync_dtype)
@@ -332,7 +323,6 @@ def main() -> None:
             "sync_bytes": nbytes,  # one version in the sync dtype
             "sync_dtype": args.sync_dtype or "trainer's (float32)",
             "chunk_mib": args.chunk_mib,
-            "tune_allocator": tuned,
             "repeats": args.repeats,
             "quick": args.quick,
             "torch_threads": torch.get_num_threads(),

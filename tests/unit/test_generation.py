@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tandem.models.forward import pack_rows, packed_logprobs
-from tandem.sampler.generation import generate_groups, sample_next
+from tandem.sampler.generation import draw, generate_groups, sample_next
 
 
 def _prompts(vocab, lengths, seed=0):
@@ -63,3 +63,21 @@ def test_top_p_keeps_only_the_nucleus():
         int(sample_next(logits, temperature=1.0, top_k=0, top_p=0.7, generator=g)[0]) for _ in range(200)
     }
     assert drawn == {0, 1}  # 0.5 < 0.7 so the second token is needed; 0.8 >= 0.7 stops there
+
+
+def test_draw_follows_the_weights_and_never_picks_a_zero():
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 5.0, 0.0, 2.0, 0.0]]).repeat(4000, 1)  # unnormalised
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.cat([draw(weights, g) for _ in range(10)]), minlength=8).double()
+    expected = 40000 * weights[0].double() / weights[0].sum()
+    assert counts[weights[0] == 0].sum() == 0
+    nonzero = expected > 0
+    chi2 = ((counts[nonzero] - expected[nonzero]) ** 2 / expected[nonzero]).sum()
+    assert chi2 < 16.3  # chi-square with 3 degrees of freedom: p = 0.001
+
+
+def test_draw_at_the_edges_of_the_unit_interval():
+    # a single non-zero weight, first or last, is always the one drawn, whatever the uniform
+    for row in ([1.0, 0.0, 0.0], [0.0, 0.0, 3.0], [0.0, 1e-30, 0.0]):
+        weights = torch.tensor([row]).repeat(1000, 1)
+        assert torch.all(draw(weights, torch.Generator().manual_seed(1)) == torch.tensor(row).argmax())

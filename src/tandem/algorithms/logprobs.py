@@ -34,11 +34,16 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 def _chunked_forward(hidden, weight, targets, temperature, chunk_size, out, lse) -> None:
     for start in range(0, hidden.shape[0], chunk_size):
         end = min(start + chunk_size, hidden.shape[0])
-        # logits in the weight's dtype (fp32 by default): a bf16 logit of 20 is off by ~0.04,
-        # which would show up directly in the importance ratio
-        logits = (hidden[start:end] @ weight.t()).float() / temperature  # [n, V]
+        logits = _scaled_logits(hidden[start:end], weight, temperature)  # [n, V]
         lse[start:end] = torch.logsumexp(logits, dim=-1)
         out[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1) - lse[start:end]
+
+
+def _scaled_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    # logits in the weight's dtype (fp32 by default): a bf16 logit of 20 is off by ~0.04,
+    # which would show up directly in the importance ratio
+    logits = (h @ weight.t()).float()
+    return logits if temperature == 1.0 else logits.div_(temperature)
 
 
 def _chunked_backward(ctx, grad_out):
@@ -49,15 +54,21 @@ def _chunked_backward(ctx, grad_out):
     for start in range(0, hidden.shape[0], ctx.chunk_size):
         end = min(start + ctx.chunk_size, hidden.shape[0])
         h = hidden[start:end]
-        logits = (h @ weight.t()).float() / ctx.temperature
-        # d log p[target] / d logits = onehot(target) - softmax(logits)
-        g = torch.exp(logits - lse[start:end, None]).mul_(-grad_out[start:end, None])
+        # d log p[target] / d logits = onehot(target) - softmax(logits), built in place: each
+        # [n, V] temporary is 50 MB at the embedded model's vocabulary
+        g = _scaled_logits(h, weight, ctx.temperature).sub_(lse[start:end, None]).exp_()
+        g.mul_(-grad_out[start:end, None])
         g.scatter_add_(1, targets[start:end, None], grad_out[start:end, None].float())
-        g = g.div_(ctx.temperature).to(hidden.dtype)
+        if ctx.temperature != 1.0:
+            g.div_(ctx.temperature)
+        g = g.to(hidden.dtype)
         if need_hidden:
-            grad_hidden[start:end] = g @ weight
+            torch.mm(g, weight, out=grad_hidden[start:end])
         if need_weight:
-            grad_weight.add_((g.t() @ h).float())
+            if g.dtype == torch.float32:
+                grad_weight.addmm_(g.t(), h)  # no [V, H] temporary per chunk
+            else:
+                grad_weight.add_((g.t() @ h).float())
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return grad_hidden, grad_weight, None, None, None

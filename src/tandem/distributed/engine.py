@@ -33,7 +33,7 @@ from tandem.distributed import deepspeed_config
 from tandem.distributed.env import DistEnv, barrier
 from tandem.models.forward import PackedLogprobsModule
 from tandem.trainer.optim import build_optimizer, build_scheduler
-from tandem.trainer.runtime import grad_scaler
+from tandem.trainer.runtime import grad_scaler, trim_memory
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class TorchEngine:
     def backward(self, loss: torch.Tensor) -> None:
         loss = loss * self.env.world_size
         (self.scaler.scale(loss) if self.scaler else loss).backward()
+        trim_memory()  # this micro-batch's activations are free now
 
     def step(self) -> float:
         if self.scaler:
@@ -86,6 +87,7 @@ class TorchEngine:
         # free the gradients now, not at the next zero_grad: the next batch's generation then
         # runs without a model-sized buffer held (peak memory)
         self.optimizer.zero_grad(set_to_none=True)
+        trim_memory()
         return grad_norm
 
     def skip_step(self) -> None:
@@ -152,9 +154,11 @@ class DeepSpeedEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.model.backward(loss * self.env.world_size, scale_wrt_gas=False)
+        trim_memory()
 
     def step(self) -> float:
         self.model.step()
+        trim_memory()
         norm = self.model.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
 

@@ -23,6 +23,7 @@ from tandem.models.loading import check_same_tokenizer, load_causal_lm, load_tok
 from tandem.models.lora import BaseOfAdapter, apply_lora, is_lora
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.generation import generate_groups
+from tandem.trainer.runtime import trim_memory
 from tandem.types import Completion, Example, Group
 
 
@@ -85,11 +86,13 @@ class Rollout:
             batch_size=self.batch_size,
             generator=self.generator,
         )
+        trim_memory()  # the KV caches are free now
         timings.generate = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         prompt_ids = [ids for _, ids in prompts for _ in range(self.num_generations)]
         ref_logprobs = self.reference_logprobs(prompt_ids, gen.token_ids)
+        trim_memory()
         timings.reference = time.perf_counter() - t0
 
         t0 = time.perf_counter()

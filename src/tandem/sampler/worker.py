@@ -81,8 +81,6 @@ class Sampler:
         salt = zlib.crc32(sampler_id.encode())  # samplers of one run see different prompts and samples
         set_seed(cfg.seed + salt)
         set_threads(cfg.sampling.num_threads)
-        # no tune_allocator() here: with a 1 MiB mmap threshold every received weight chunk would
-        # be a fresh mapping, page-faulted in on each sync (fetch 2x slower, benchmarks/weight_sync.py)
         self.device = resolve_device(device)
         tokenizer = load_tokenizer(
             cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code

@@ -18,7 +18,7 @@ from tandem.models.lora import apply_lora, is_lora
 from tandem.sampler.rollout import model_kwargs
 from tandem.trainer import checkpoint as ckpt
 from tandem.trainer.metrics import SUPERVISED_FIELDS, MetricsLogger
-from tandem.trainer.runtime import resolve_device, set_seed, set_threads, tune_allocator
+from tandem.trainer.runtime import resolve_device, set_seed, set_threads, trim_memory_in_training
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,6 @@ def run_distributed(cfg: Config, train: Callable[[Config, DistEnv, torch.device]
     the deepspeed launcher every rank calls this. The group is torn down even when training fails."""
     set_seed(cfg.seed)
     set_threads(cfg.training.num_threads)
-    tune_allocator()
     device = resolve_device(cfg.training.device)
     env = init_distributed(cfg.training.distributed_strategy, device.type, cfg.training.dist_backend)
     if device.type == "cuda" and env.active:
@@ -83,6 +82,7 @@ def load_policy(cfg: Config, env: DistEnv, device: torch.device, loader: Callabl
         else:
             enable()
     model.config.use_cache = False
+    trim_memory_in_training(model)
     return tokenizer, model
 
 
