@@ -75,3 +75,22 @@ def test_packed_rows_equal_each_sequence_scored_alone(tiny_model):
             assert torch.all(out[k, len(completion) :] == 0)
             k += 1
     assert out.shape == (5, 6)
+
+
+def test_memory_trimming_hooks_leave_the_gradients_bit_identical(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from tandem.trainer.runtime import _LIBC, trim_memory_in_training
+
+    packed = pack_rows([([5, 6, 7, 8], [[9, 10, 11], [12, 13]]), ([14, 15], [[16, 17, 18, 19]])])
+    grads = []
+    for hooked in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        layers = model.config.num_hidden_layers
+        if hooked:
+            assert trim_memory_in_training(model, every=1) == (layers if _LIBC is not None else 0)
+        packed_logprobs(model, packed).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
