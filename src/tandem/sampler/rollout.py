@@ -179,7 +179,7 @@ class Rollout:
 class OffloadedModel:
     """A frozen model that lives on disk between uses (`model.reference_offload`): loaded when a
     `with` block enters, dropped when it leaves. Trades a reload per batch (from the page cache:
-    about a second for 135M parameters) for the model's whole size off the process's peak."""
+    0.06 s for the embedded model's 135M parameters once cached) for the model's whole size off the process's peak."""
 
     def __init__(self, load) -> None:
         self._load = load
