@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.algorithms.logprobs import linear_token_logprobs
+from tandem.models.attention import SegmentLayout, use_tandem_attention
 
 _PAD_SEGMENT = 1 << 30
 
@@ -28,10 +29,29 @@ class PackedRows:
     predict_cols: torch.Tensor  # [N] its column
     targets: torch.Tensor  # [N] the completion token ids
     completion_lengths: list[int]  # per completion, in row order
+    layout: SegmentLayout | None = None  # the same attention pattern, for models/attention.py
 
     def to(self, device: torch.device) -> PackedRows:
-        moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in self.__dict__.items()}
+        moved = {
+            k: v.to(device) if torch.is_tensor(v) or isinstance(v, SegmentLayout) else v
+            for k, v in self.__dict__.items()
+        }
         return PackedRows(**moved)
+
+
+def decoder_hidden_states(model, packed: PackedRows) -> torch.Tensor:
+    """The decoder's last hidden states [R, L, H] of packed rows: by segment attention where the
+    model runs transformers' SDPA (models/attention.py), by the dense 4D mask otherwise."""
+    extra = {}
+    if packed.layout is not None and use_tandem_attention(model):
+        extra["segment_layout"] = packed.layout
+    return model.get_decoder()(
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        attention_mask=packed.attention_mask,
+        use_cache=False,
+        **extra,
+    ).last_hidden_state
 
 
 def pack_rows(rows: list[tuple[list[int], list[list[int]]]], pad_id: int = 0) -> PackedRows:
@@ -42,6 +62,7 @@ def pack_rows(rows: list[tuple[list[int], list[list[int]]]], pad_id: int = 0) ->
     position_ids = torch.zeros((num_rows, width), dtype=torch.long)
     segment = torch.full((num_rows, width), _PAD_SEGMENT, dtype=torch.long)
     pred_rows, pred_cols, targets, lengths = [], [], [], []
+    segments = []  # (row, start, length, sees the prompt)
     for r, (prompt, completions) in enumerate(rows):
         n = len(prompt)
         input_ids[r, :n] = torch.tensor(prompt, dtype=torch.long)
@@ -56,6 +77,7 @@ def pack_rows(rows: list[tuple[list[int], list[list[int]]]], pad_id: int = 0) ->
             input_ids[r, start : start + m] = torch.tensor(completion, dtype=torch.long)
             position_ids[r, start : start + m] = torch.arange(n, n + m)
             segment[r, start : start + m] = k + 1
+            segments.append((r, start, m, True))
             # token 0 is predicted by the prompt's last position, token t by the completion's t-1
             cols = [n - 1] + list(range(start, start + m - 1))
             pred_rows += [r] * m
@@ -73,6 +95,7 @@ def pack_rows(rows: list[tuple[list[int], list[list[int]]]], pad_id: int = 0) ->
         predict_cols=torch.tensor(pred_cols, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
         completion_lengths=lengths,
+        layout=SegmentLayout.build(width, [len(p) for p, _ in rows], segments),
     )
 
 
@@ -95,12 +118,7 @@ def packed_logprobs(
     )
     if packed.targets.numel() == 0:
         return out
-    hidden = model.get_decoder()(
-        input_ids=packed.input_ids,
-        position_ids=packed.position_ids,
-        attention_mask=packed.attention_mask,
-        use_cache=False,
-    ).last_hidden_state  # [R, L, H]
+    hidden = decoder_hidden_states(model, packed)  # [R, L, H]
     weight = model.get_output_embeddings().weight
     if head_dtype is not None and weight.dtype != head_dtype:
         weight = weight.to(head_dtype)

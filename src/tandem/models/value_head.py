@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tandem.algorithms.logprobs import linear_token_logprobs
-from tandem.models.forward import PackedRows
+from tandem.models.forward import PackedRows, decoder_hidden_states
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -39,12 +39,7 @@ class ValueHeadModel(torch.nn.Module):
         if packed.targets.numel() == 0:
             empty = torch.zeros(shape, dtype=torch.float32, device=packed.input_ids.device)
             return empty, empty.clone()
-        hidden = self.policy.get_decoder()(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            attention_mask=packed.attention_mask,
-            use_cache=False,
-        ).last_hidden_state  # [R, L, H]
+        hidden = decoder_hidden_states(self.policy, packed)  # [R, L, H]
         states = hidden[packed.predict_rows, packed.predict_cols]  # [N, H], one per completion token
         weight = self.policy.get_output_embeddings().weight
         # the output projection in fp32, as packed_logprobs: the importance ratio sees its rounding

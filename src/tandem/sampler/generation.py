@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from tandem.models.attention import use_tandem_attention
+
 
 class PreallocatedLayer(DynamicLayer):
     """A KV-cache layer that writes into a buffer of fixed capacity instead of concatenating.
@@ -133,6 +135,7 @@ def generate_groups(
     generator: torch.Generator | None = None,
 ) -> Generation:
     """G sampled completions for each prompt (token ids), batch_size sequences per forward."""
+    use_tandem_attention(model)  # the decode step's attention (models/attention.py), whatever ran before
     prompts_per_batch = max(1, batch_size // num_generations)
     result = Generation([], [], [])
     for start in range(0, len(prompts), prompts_per_batch):

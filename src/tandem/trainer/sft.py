@@ -18,6 +18,7 @@ from tandem.config import Config
 from tandem.data.sft import EncodedExample, PromptStyle, encode_examples, load_sft_splits
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import DistEnv, all_reduce_sum
+from tandem.models.attention import SegmentLayout
 from tandem.models.forward import PackedRows
 from tandem.trainer import run
 from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
@@ -254,6 +255,7 @@ def pack_examples(rows: list[list[tuple[list[int], int]]], pad_id: int = 0) -> P
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     segment = torch.full((len(rows), width), -1, dtype=torch.long)  # pads: -1, they see only pads
     pred_rows, pred_cols, targets, lengths = [], [], [], []
+    segments = []  # for segment attention: a row's first example is its prefix, the others see only themselves
     for r, row in enumerate(rows):
         start = 0
         for k, (ids, first) in enumerate(row):
@@ -262,6 +264,8 @@ def pack_examples(rows: list[list[tuple[list[int], int]]], pad_id: int = 0) -> P
             input_ids[r, start : start + n] = torch.tensor(ids, dtype=torch.long)
             position_ids[r, start : start + n] = torch.arange(n)
             segment[r, start : start + n] = k
+            if k:
+                segments.append((r, start, n, False))
             # token t is predicted at the column of token t-1
             pred_rows += [r] * (n - first)
             pred_cols += range(start + first - 1, start + n - 1)
@@ -279,4 +283,5 @@ def pack_examples(rows: list[list[tuple[list[int], int]]], pad_id: int = 0) -> P
         predict_cols=torch.tensor(pred_cols, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
         completion_lengths=lengths,
+        layout=SegmentLayout.build(width, [len(row[0][0]) if row else 0 for row in rows], segments),
     )
