@@ -5,7 +5,7 @@ A packed GRPO row is [prompt | c1 | c2 | ...] (models/forward.py): each completi
 prompt and itself, never a sibling. Given that as a dense [L, L] mask, SDPA computes every
 query against every key of the row (a mask also stops it from skipping the causal half and
 makes transformers repeat the key/value heads for grouped-query attention): with G = 4 and
-completions as long as the prompt, 25 / 7 = 3.6 times the work that is needed.
+completions as long as the prompt P, 25 P^2 scores where 6.5 P^2 are needed (3.8 times).
 
 `SegmentLayout` describes a packed batch instead: each row starts with a prefix (the prompt)
 that attends causally to itself, followed by segments (the completions) that attend causally
