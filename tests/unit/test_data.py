@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -219,16 +220,26 @@ def test_missing_sources_fail_clearly(tmp_path: Path) -> None:
 
 
 def test_parquet(tmp_path: Path) -> None:
-    path = tmp_path / "train-00000-of-00001.parquet"
-    if importlib.util.find_spec("pyarrow") is None and importlib.util.find_spec("pandas") is None:
-        path.write_bytes(b"PAR1")
-        with pytest.raises(ValueError, match="pip install pyarrow"):
-            load_gsm8k(str(tmp_path))
-        return
-    import pandas as pd
+    pq = pytest.importorskip("pyarrow.parquet")  # in the dev extra
+    import pyarrow as pa
 
-    pd.DataFrame({"question": ["How many?"], "answer": ["#### 4"]}).to_parquet(path)
-    assert [e.answer for e in load_gsm8k(str(tmp_path))] == ["4"]
+    rows = [{"question": "How many?", "answer": "#### 4"}, {"question": "And now?", "answer": "#### 1,200"}]
+    for shard, row in enumerate(rows):  # the hub's layout: train-0000i-of-00002.parquet
+        pq.write_table(pa.Table.from_pylist([row]), tmp_path / f"train-{shard:05d}-of-00002.parquet")
+    assert [e.answer for e in load_gsm8k(str(tmp_path))] == ["4", "1200"]
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([rows[0], {"question": "q", "answer": "no result"}]), bad)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}:row 1: .*no '#### N' line"):
+        load_gsm8k(str(bad))
+
+
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path: Path, monkeypatch) -> None:
+    for module in ("pyarrow", "pyarrow.parquet", "pandas"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed: import raises ImportError
+    path = tmp_path / "train.parquet"
+    path.write_bytes(b"PAR1")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} needs pyarrow: pip install pyarrow"):
+        load_gsm8k(str(tmp_path))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="would reach the hub")

@@ -111,6 +111,22 @@ def test_files_load_with_line_numbers_in_errors(tmp_path):
         load_preferences(str(tmp_path / "missing.jsonl"))
 
 
+def test_parquet_files_load_with_row_numbers_in_errors(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")  # in the dev extra
+    import pyarrow as pa
+
+    path = tmp_path / "p.parquet"
+    rows = [
+        {"prompt": "q1", "chosen": "a", "rejected": "b"},
+        {"prompt": "q2", "chosen": "c", "rejected": "d"},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert [(p.chosen, p.rejected) for p in load_preferences(str(path))] == [("a", "b"), ("c", "d")]
+    pq.write_table(pa.Table.from_pylist([*rows, {"prompt": "q3", "chosen": "e", "rejected": None}]), path)
+    with pytest.raises(ValueError, match=f"{path}:row 2"):
+        load_preferences(str(path))
+
+
 def test_fit_cuts_the_prompt_start_then_the_answers_end():
     prompt, (a, b) = fit(list(range(10)), [[1] * 8, [2] * 3], max_length=12)
     # the longest answer (8) leaves 4 for the prompt, but a prompt keeps at least half the budget (6)

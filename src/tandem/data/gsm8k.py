@@ -6,11 +6,11 @@ generator, anything else for GSM8K-format data (`question`, `answer` ending in `
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from tandem.data import arithmetic
+from tandem.data.files import Rows, read_rows
 from tandem.types import Example
 
 HUB_IDS = ("openai/gsm8k", "gsm8k")
@@ -27,35 +27,10 @@ def extract_gold(answer_text: str) -> str:
     return gold
 
 
-def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
-    """Rows with a `file:line` label each, for error messages."""
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
-            rows.append((f"{path}:{line_no}", row))
-    return rows
-
-
-def _read_parquet(path: Path) -> list[tuple[str, dict]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        try:
-            import pandas as pd
-        except ImportError as err:
-            raise ValueError(
-                f"reading {path} needs pyarrow: pip install pyarrow (or use a .jsonl file)"
-            ) from err
-        records = pd.read_parquet(path).to_dict("records")
-    else:
-        records = pq.read_table(path).to_pylist()
-    return [(f"{path}:row {i}", row) for i, row in enumerate(records)]
+def plain_solution(solution: str) -> str:
+    """A GSM8K-style solution on one line without its calculator notes:
+    "4 * 12 = <<4*12=48>>48" -> "4 * 12 = 48"."""
+    return " ".join(line.strip() for line in re.sub(r"<<[^>]*>>", "", solution).splitlines())
 
 
 def _files_for(source: str, split: str) -> list[Path]:
@@ -75,7 +50,7 @@ def _files_for(source: str, split: str) -> list[Path]:
     raise ValueError(f"no {split}.jsonl, {split}.parquet or {split}-*.parquet in {path}")
 
 
-def _load_hub(split: str) -> list[tuple[str, dict]]:
+def _load_hub(split: str) -> Rows:
     try:
         import datasets
     except ImportError as err:
@@ -104,10 +79,7 @@ def load_gsm8k(source: str, split: str = "train", limit: int = 0) -> list[Exampl
     else:
         labelled = []
         for path in _files_for(source, split):
-            if path.suffix == ".parquet":
-                labelled += _read_parquet(path)
-            else:
-                labelled += _read_jsonl(path)
+            labelled += read_rows(path)
     if limit > 0:
         labelled = labelled[:limit]
     examples = []

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.data import arithmetic
-from tandem.data.gsm8k import _read_jsonl, _read_parquet
+from tandem.data.files import read_hub, read_rows
+from tandem.data.gsm8k import plain_solution
 
 TASKS = ("helpful", "harmless", "mixed")
 
@@ -120,11 +121,6 @@ def _phrasings(options: list[str], split: str) -> list[str]:
     return options[:4] if split == "train" else options[4:]
 
 
-def _plain_solution(solution: str) -> str:
-    # GSM8K calculator notes "4 * 12 = <<4*12=48>>48" -> "4 * 12 = 48"
-    return " ".join(line.strip() for line in re.sub(r"<<[^>]*>>", "", solution).splitlines())
-
-
 def _wrong(result: int, rng: random.Random) -> int:
     while True:
         wrong = result + rng.choice([-1, 1]) * rng.randint(1, max(3, result // 2 + 2))
@@ -136,7 +132,7 @@ def _arithmetic_pairs(num: int, seed: int, split: str) -> list[PreferencePair]:
     rng = random.Random(seed)
     pairs = []
     for example in arithmetic.make_examples(num, seed, split, difficulty=1):
-        reasoning = _plain_solution(example.metadata["solution"].rsplit("####", 1)[0])
+        reasoning = plain_solution(example.metadata["solution"].rsplit("####", 1)[0])
         result = int(example.answer)
         wrong = _wrong(result, rng)
         # the wrong answer changes the last equation's result too, so it is wrong, not inconsistent
@@ -287,23 +283,6 @@ def pair_from_row(row: dict, where: str, task: str = "helpful") -> PreferencePai
     )
 
 
-def _load_hub(name: str, split: str) -> list[tuple[str, dict]]:
-    try:
-        import datasets
-    except ImportError as err:
-        raise ValueError(
-            f"loading {name!r} from the hub needs `pip install datasets`; or pass a local file"
-        ) from err
-    try:
-        rows = datasets.load_dataset(name, split=split)
-    except Exception as err:  # offline, unknown split, hub error: all fixed the same way
-        raise ValueError(
-            f"could not load {name!r} split {split!r} from the hub ({type(err).__name__}: {err}); "
-            "pass a local .jsonl/.parquet file instead"
-        ) from err
-    return [(f"{name}[{split}] row {i}", row) for i, row in enumerate(rows)]
-
-
 def load_preferences(
     source: str, split: str = "train", *, task: str = "helpful", num_examples: int = 0, seed: int = 0
 ) -> list[PreferencePair]:
@@ -314,11 +293,11 @@ def load_preferences(
         return make_preferences(task, num_examples, seed, split)
     path = Path(source).expanduser()
     if path.is_file():
-        rows = _read_parquet(path) if path.suffix == ".parquet" else _read_jsonl(path)
+        rows = read_rows(path)
     elif (
         "/" in source and not source.startswith((".", "/", "~")) and path.suffix not in (".jsonl", ".parquet")
     ):
-        rows = _load_hub(source, split)  # an id like PKU-Alignment/PKU-SafeRLHF
+        rows = read_hub(source, split)  # an id like PKU-Alignment/PKU-SafeRLHF
     else:
         raise ValueError(
             f"preference data {source!r} is neither synthetic, a .jsonl/.parquet file, nor a hub id"

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.data import gsm8k
-from tandem.data.gsm8k import _read_jsonl, _read_parquet
-from tandem.data.preferences import _plain_solution
+from tandem.data.files import Rows, read_hub, read_rows
+from tandem.data.gsm8k import plain_solution
 from tandem.data.prompts import render_prompt
 from tandem.types import Example
 
@@ -54,7 +54,7 @@ def worked_example(tokenizer, example: Example, style: PromptStyle) -> SFTExampl
     `<think> reasoning </think><answer> N </answer>` (the text of the DPO/RM chosen answers), cut
     after `style.prefill`: the prompt ends with the prefill, the target is what the model writes
     after it, closed by eos. A model trained on these continues straight into GRPO."""
-    reasoning = _plain_solution(example.metadata["solution"].rsplit("####", 1)[0])
+    reasoning = plain_solution(example.metadata["solution"].rsplit("####", 1)[0])
     response = f"<think> {reasoning} </think><answer> {example.answer} </answer>"
     if not response.startswith(style.prefill):
         raise ValueError(
@@ -160,15 +160,13 @@ def example_from_row(tokenizer, row, where: str, style: PromptStyle) -> SFTExamp
     )
 
 
-def _rows(source: str, split: str) -> list[tuple[str, dict]]:
+def _rows(source: str, split: str) -> Rows:
     """(file:line, row) pairs of a .jsonl/.parquet file or a hub data set's split."""
-    from tandem.data.preferences import _load_hub  # the same hub errors as preference data
-
     path = Path(source).expanduser()
     if path.is_file():
-        rows = _read_parquet(path) if path.suffix == ".parquet" else _read_jsonl(path)
+        rows = read_rows(path)
     elif "/" in source and not path.exists():
-        rows = _load_hub(source, split)
+        rows = read_hub(source, split)
     else:
         raise ValueError(
             f"SFT data {source!r} is neither 'synthetic', 'gsm8k', a .jsonl/.parquet file, nor a hub id "
