@@ -99,3 +99,7 @@ class TrainerStatus:
     run_id: str
     starved: bool = False  # the trainer has been waiting for groups
     finished: bool = False  # training is over: samplers may exit
+    # the trainer's schedule, for pacing: it has taken `batches` batches of groups so far and will
+    # take the next ones while holding these versions (one entry per batch, nondecreasing)
+    batches: int = 0
+    take_versions: tuple[int, ...] = ()

@@ -179,6 +179,20 @@ def test_strictly_on_policy_ratio_is_one(make_run):
     assert rows[-1]["weights_lent"] >= 3 and rows[-1]["weights_sent"] == 0, rows[-1]
 
 
+def test_a_batch_spanning_two_versions_is_sampled_by_the_version_that_takes_it(make_run):
+    """num_iterations 2, sync_every 1: each batch trains two steps, so versions 1, 3, 5 take no
+    batch. A strictly on-policy sampler skips them (it paces by the trainer's announced schedule):
+    nothing goes stale, and every batch was made by the weights that take it."""
+    run = make_run("spans", "pipeline.max_staleness=0", "grpo.num_iterations=2", "training.max_steps=6")
+    trainer, sampler = run.trainer(), run.sampler()
+    finish(run, trainer, {"s0": sampler})
+    rows = run.rows()
+    assert [r["policy_version"] for r in rows] == [0, 0, 2, 2, 4, 4]
+    assert sum(r["groups_dropped_stale"] for r in rows) == 0
+    made = [(r["policy_version"], r["groups"]) for r in run.sampler_rows()]
+    assert made[:3] == [(0, 2), (2, 2), (4, 2)], made  # (then version 6's, which no batch took)
+
+
 def test_two_samplers_feed_one_trainer_and_surplus_is_dropped_as_stale(make_run):
     """Two samplers each told they are the only one (num_samplers=1) make twice what a strictly
     on-policy trainer can use: the surplus is dropped, counted, and training goes on."""

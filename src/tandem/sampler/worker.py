@@ -6,13 +6,16 @@ One loop, one batch of prompts at a time:
    or a restarted trainer, is fetched and loaded before the next batch: weights change only
    between generation batches, never inside one, and a sampler that starts late or restarts
    fetches the latest version before it samples anything.
-2. Pace: groups made with version K are useful to the trainer until it reaches version
-   K + max_staleness. Per version the trainer consumes Q = ceil(prompts_per_step * sync_every /
-   num_samplers) groups from each sampler, so a sampler that joined at version K0 and now holds
-   version K may have made `(K - K0 + max_staleness + 1) * Q` groups in all: one version's share
-   per version plus a lead of max_staleness versions (0: strictly on-policy, it waits for each
-   sync). At that quota it waits for the next version. A trainer that reports itself starved
-   (a sampler died, or the shares are uneven) lifts the quota, so the pipeline never deadlocks.
+2. Pace: the trainer announces its schedule in that status: it has taken B batches, and will take
+   the next ones while holding versions v_B, v_B+1, ... (one batch can span several versions, with
+   several optimizer steps per batch or `num_iterations` > 1; several batches can share one, with
+   sync_every above the steps per batch). Groups made with version K are fresh until the trainer
+   passes K + max_staleness, so a sampler holding K may have made, since it joined at batch B0,
+   Q x (B - B0 + #{next takes at versions <= K + max_staleness}) groups, with
+   Q = ceil(prompts_per_step / num_samplers) its share of a batch. At that quota it waits for the
+   next version (0 staleness: strictly on-policy, it makes each batch with the weights that will
+   train on it). A trainer that reports itself starved (a sampler died, or the shares are uneven)
+   lifts the quota, so the pipeline never deadlocks.
 3. Generate, score and PUSH the groups (blocking on the high-water mark: a slow trainer makes
    this sampler wait, nothing is dropped). A finished trainer ends the loop; a silent one is
    waited for (and reported), up to `pipeline.trainer_timeout_s` when that is set.
@@ -64,10 +67,19 @@ def default_sampler_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def version_share(cfg: Config) -> int:
-    """Groups the trainer takes from one sampler per weight version (Q above)."""
-    p = cfg.pipeline
-    return math.ceil(cfg.grpo.prompts_per_step * p.sync_every / p.num_samplers)
+def batch_share(cfg: Config) -> int:
+    """Groups the trainer takes from one sampler per batch (Q above)."""
+    return math.ceil(cfg.grpo.prompts_per_step / cfg.pipeline.num_samplers)
+
+
+def groups_allowed(
+    status: TrainerStatus, version: int, first_batch: int, share: int, max_staleness: int
+) -> int:
+    """Groups a sampler holding `version` may have made since it joined the trainer's run at batch
+    `first_batch`: its share of every batch taken since, and of each announced one that will still
+    find them fresh."""
+    fresh_until = version + max_staleness
+    return share * (status.batches - first_batch + sum(v <= fresh_until for v in status.take_versions))
 
 
 class TrainerGone(RuntimeError):
@@ -94,7 +106,7 @@ class Sampler:
         self.state_path = self.log_dir / f"{sampler_id}.state.json"
         if self.state_path.is_file():
             self.stream.load_state_dict(json.loads(self.state_path.read_text())["data"])
-        self.share = version_share(cfg)
+        self.share = batch_share(cfg)
 
         self.context = zmq.Context()
         data_address = f"tcp://{p.trainer_host}:{p.data_port}"
@@ -110,7 +122,8 @@ class Sampler:
 
         self.version = -1  # the weights the rollout policy holds; -1 = none from the trainer yet
         self.run_id: str | None = None
-        self.first_version = 0  # the version this sampler joined the trainer's run at
+        self.schedule: TrainerStatus | None = None  # the trainer's newest status
+        self.first_batch = 0  # batches the trainer had taken when this sampler joined its run
         self.made = 0  # groups made since then
         self.sent = 0
         self._silent_since: float | None = None
@@ -123,6 +136,8 @@ class Sampler:
         now = time.monotonic()
         if status is not None and status.version >= 0:
             self._silent_since = None
+            if status.run_id == self.run_id:
+                self.schedule = status
             return status
         self._silent_since = self._silent_since or now
         silent = now - self._silent_since
@@ -160,7 +175,7 @@ class Sampler:
                 return None
             if status.run_id != self.run_id or status.version > self.version:
                 return status  # new weights (or a restarted trainer): fetch them first
-            if not at_quota:
+            if not at_quota or self.remaining() > 0:  # (the trainer may have announced more takes)
                 return status
             at_quota_since = at_quota_since or time.monotonic()
             if status.starved and time.monotonic() - at_quota_since >= STARVED_GRACE_S:
@@ -206,8 +221,9 @@ class Sampler:
             log.info(
                 "sampler %s: trainer run %s, weights v%d", self.sampler_id, manifest.run_id, manifest.version
             )
-            self.first_version, self.made = manifest.version, 0
+            self.first_batch, self.made = status.batches, 0
         self.version, self.run_id = manifest.version, manifest.run_id
+        self.schedule = status if status.run_id == manifest.run_id else None
         return time.perf_counter() - start
 
     def _fetch(self, status: TrainerStatus, local: bool) -> tuple | None:
@@ -239,9 +255,13 @@ class Sampler:
         return answer is not None and answer.run_id == status.run_id
 
     def remaining(self) -> int:
-        """Groups this sampler may still make before it waits for newer weights."""
-        lead = self.version - self.first_version + self.cfg.pipeline.max_staleness + 1
-        return lead * self.share - self.made
+        """Groups this sampler may still make before it waits for newer weights (pacing, above)."""
+        if self.schedule is None or self.version < 0:
+            return 0
+        allowed = groups_allowed(
+            self.schedule, self.version, self.first_batch, self.share, self.cfg.pipeline.max_staleness
+        )
+        return allowed - self.made
 
     # ------------------------------------------------------------------ main loop
 

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 STARVED_AFTER_S = 5.0  # waiting this long for groups makes samplers at their quota produce more
 SYNC_STATE_FILE = "sync_state.json"
 FINISH_LINGER_S = 60.0  # a finished trainer waits at most this long for samplers to hear it
+MAX_TAKES_ANNOUNCED = 256  # sync_every far above the steps per batch could ask for many
 
 
 class LocalExperience:
@@ -55,6 +56,9 @@ class LocalExperience:
             "wait_seconds": 0.0,
             "groups_dropped_stale": 0,
         }
+
+    def expect(self, step: int, steps: int, steps_per_batch: int) -> None:
+        pass  # no sampler to pace
 
     def on_step(self, policy: torch.nn.Module, step: int) -> dict:
         self.version += 1  # one version per optimizer step, as a decoupled trainer with sync_every 1
@@ -142,6 +146,8 @@ class RemoteExperience:
         )
         self.version = _next_version(run_dir)
         self.dropped: Counter[str] = Counter()
+        self.batches = 0  # batches of groups taken by this trainer process
+        self._schedule = (0, 0, 1)  # (version at step 0, step of the next take, steps per batch)
         self.publish(policy)
         log.info(
             "trainer %s: groups on tcp://%s:%d, weights by %s (version %d); waiting for samplers",
@@ -166,10 +172,35 @@ class RemoteExperience:
         atomic_write_text(self.run_dir / SYNC_STATE_FILE, json.dumps({"version": self.version}), fsync=False)
         return time.perf_counter() - start
 
+    def expect(self, step: int, steps: int, steps_per_batch: int) -> None:
+        """Tell samplers when the next batches are taken: the one taken at `step` trains for `steps`
+        optimizer steps (0 before the first), each later one for `steps_per_batch`. A sampler paces
+        itself by this (`Sampler.remaining`), so it makes only groups that will still be fresh
+        when they are taken, however many versions a batch spans."""
+        base = self.version - step // self.cfg.pipeline.sync_every  # version = base + step // sync_every
+        self._schedule = (base, step + steps, max(1, steps_per_batch))
+        self._announce()
+
+    def _announce(self) -> None:
+        """Publish the versions at which batches `self.batches`, +1, ... will be taken, as far as
+        a sampler holding our newest version could make groups for (staleness included)."""
+        p = self.cfg.pipeline
+        base, take_step, steps_per_batch = self._schedule
+        horizon = self.version + p.max_staleness + 1
+        takes: list[int] = []
+        while len(takes) < MAX_TAKES_ANNOUNCED:
+            version = base + take_step // p.sync_every
+            if takes and version > horizon:
+                break
+            takes.append(version)
+            take_step += steps_per_batch
+        self.publisher.set_status(batches=self.batches, take_versions=tuple(takes))
+
     def on_step(self, policy: torch.nn.Module, step: int) -> dict:
         if step % self.cfg.pipeline.sync_every:
             return {}
         self.version += 1
+        self._announce()  # before the new version is visible: its pacing horizon comes first
         stats = {"sync_seconds": self.publish(policy)}
         served = getattr(self.publisher, "served", None)
         if served is not None:  # zmq: versions lent as shared files (same host) vs. sent as chunks
@@ -206,6 +237,7 @@ class RemoteExperience:
                 groups.append(group)
         if starved:
             self.publisher.set_status(starved=False)
+        self.batches += 1  # announced with the steps this batch makes (`expect`)
         self.dropped.update(dropped)
         return groups, self._stats(groups, dropped, time.monotonic() - start)
 

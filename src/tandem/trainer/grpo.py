@@ -10,6 +10,7 @@ batches of micro_batch_size x gradient_accumulation_steps sequences, num_iterati
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -97,6 +98,10 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     )
     bar = tqdm(total=tc.max_steps, initial=step, desc="grpo", dynamic_ncols=True, disable=not env.is_main)
     last_saved = step
+    full_batch = cfg.grpo.prompts_per_step * cfg.sampling.num_generations
+    steps_per_batch = batch_steps(tc, full_batch, cfg.grpo.num_iterations, env.world_size)
+    if experience is not None:
+        experience.expect(step, 0, steps_per_batch)
     try:
         while step < tc.max_steps:
             row_start = time.perf_counter()
@@ -110,6 +115,8 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
                     adv_eps=cfg.grpo.adv_eps,
                     skip_zero_variance=cfg.grpo.skip_zero_variance_groups,
                 )
+                steps = batch_steps(tc, len(samples), cfg.grpo.num_iterations, env.world_size)
+                experience.expect(step, steps, steps_per_batch)
             # every rank walks the same optimizer batches: rank 0 says how many sequences there are
             num_samples = broadcast_json(env, len(samples) if env.is_main else None)
             batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
@@ -187,6 +194,14 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
 
 
 PER_BATCH_TIMES = {"time_generate", "time_reference", "time_reward", "wait_seconds"}
+
+
+def batch_steps(tc, num_samples: int, iterations: int, world_size: int) -> int:
+    """Optimizer steps that one batch of `num_samples` sequences makes: `iterations` passes, each in
+    optimizer batches of micro_batch_size x gradient_accumulation_steps x world_size (GRPO still
+    steps once on a batch whose groups were all skipped)."""
+    per_step = tc.micro_batch_size * tc.gradient_accumulation_steps * world_size
+    return iterations * max(1, math.ceil(num_samples / per_step))
 
 
 def open_experience(cfg: Config, env: DistEnv, engine, tokenizer, generator, device, state: dict | None):

@@ -43,6 +43,7 @@ from tandem.trainer.batching import MicroBatch, Sample, collate, flatten_groups,
 from tandem.trainer.grpo import (
     PER_BATCH_TIMES,
     Share,
+    batch_steps,
     open_experience,
     sample_rows,
     scatter_share,
@@ -114,6 +115,10 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     )
     bar = tqdm(total=tc.max_steps, initial=step, desc="ppo", dynamic_ncols=True, disable=not env.is_main)
     last_saved = step
+    full_batch = cfg.grpo.prompts_per_step * cfg.sampling.num_generations
+    steps_per_batch = batch_steps(tc, full_batch, cfg.ppo.num_iterations, env.world_size)
+    if experience is not None:
+        experience.expect(step, 0, steps_per_batch)
     try:
         while step < tc.max_steps:
             row_start = time.perf_counter()
@@ -122,6 +127,8 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
                 groups, batch_stats = experience.next_groups(cfg.grpo.prompts_per_step)
                 batch_stats = {**summarize_groups(groups), **batch_stats}
                 samples = flatten_groups(groups, scale_rewards="none", adv_eps=0.0, skip_zero_variance=False)
+                steps = batch_steps(tc, len(samples), cfg.ppo.num_iterations, env.world_size)
+                experience.expect(step, steps, steps_per_batch)
             shares = scatter_batch(env, samples, cfg)
             batches, target_stats = prepare_batch(engine, shares, cfg, device, env)
             batch_stats = {**batch_stats, **target_stats}

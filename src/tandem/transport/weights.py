@@ -376,14 +376,11 @@ class WeightServer:
                 1 for who, t in self._seen.items() if now - t < window_s and who not in self._told_finished
             )
 
-    def set_status(self, *, starved: bool | None = None, finished: bool | None = None) -> None:
+    def set_status(self, **changes) -> None:
+        """Change fields of the status samplers see (`TrainerStatus`: starved, finished, schedule)."""
         with self._lock:
             old = self._status
-            self._status = replace(
-                old,
-                starved=old.starved if starved is None else starved,
-                finished=old.finished if finished is None else finished,
-            )
+            self._status = replace(old, **changes)
             changed = self._status != old
         if changed:
             self._wake_out.send(b"")
@@ -547,21 +544,28 @@ def status_payload(status: TrainerStatus) -> dict:
         "run_id": status.run_id,
         "starved": status.starved,
         "finished": status.finished,
+        "batches": status.batches,
+        "take_versions": list(status.take_versions),
     }
 
 
 def status_from_payload(payload: dict) -> TrainerStatus:
     try:
+        takes = payload.get("take_versions", [])
         status = TrainerStatus(
             version=payload["version"],
             run_id=payload["run_id"],
             starved=payload["starved"],
             finished=payload["finished"],
+            batches=payload.get("batches", 0),
+            take_versions=tuple(takes) if isinstance(takes, list) and len(takes) <= 1024 else None,
         )
-    except (KeyError, TypeError) as err:
+    except (KeyError, TypeError, AttributeError) as err:
         raise WireError(f"malformed trainer status: {err}") from err
     ok = isinstance(status.version, int) and isinstance(status.run_id, str)
-    if not (ok and isinstance(status.starved, bool) and isinstance(status.finished, bool)):
+    ok = ok and isinstance(status.starved, bool) and isinstance(status.finished, bool)
+    ok = ok and isinstance(status.batches, int) and isinstance(status.take_versions, tuple)
+    if not (ok and all(type(v) is int for v in status.take_versions)):
         raise WireError(f"malformed trainer status: {payload!r:.200}")
     return status
 
@@ -810,13 +814,9 @@ class FsWeightWriter:
     def untold(self, window_s: float = 120.0) -> int:
         return 0  # status.json stays behind: a sampler reads "finished" whenever it looks
 
-    def set_status(self, *, starved: bool | None = None, finished: bool | None = None) -> None:
+    def set_status(self, **changes) -> None:
         old = self._status
-        self._status = replace(
-            old,
-            starved=old.starved if starved is None else starved,
-            finished=old.finished if finished is None else finished,
-        )
+        self._status = replace(old, **changes)
         if self._status != old:
             self._write_status()
 
