@@ -226,6 +226,8 @@ class TrainingConfig:
     nvme_path: str | None = None  # folder for nvme offload
     deepspeed_config: str | None = None  # a DeepSpeed JSON ("auto" values are filled from this config)
     dist_backend: str = "auto"  # auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
+    # a collective waits this long for a slow rank (rank 0 saving); waiting for samplers never counts
+    dist_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -552,6 +554,7 @@ _BOUNDS: list[tuple[str, Callable[[Any], bool], str]] = [
     ("ppo.num_iterations", lambda v: v >= 1, ">= 1"),
     ("training.learning_rate", lambda v: v > 0, "> 0"),
     ("training.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("training.dist_timeout_s", lambda v: v >= 1, ">= 1 (seconds)"),
     ("training.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("training.weight_decay", lambda v: v >= 0, ">= 0"),
     ("training.adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),

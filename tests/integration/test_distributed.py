@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,41 @@ def test_two_rank_trainer_fed_by_a_real_sampler(make_run, launcher, stage):
 
     model = AutoModelForCausalLM.from_pretrained(run.dir / "final")  # the gathered ZeRO-3 export loads
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_ranks_wait_for_a_late_sampler_longer_than_the_collective_timeout(make_run):
+    """A 2-rank trainer whose samplers come three collective timeouts late: rank 0 keeps the
+    other rank's broadcast alive while it waits, so nothing times out and training goes on."""
+    run = make_run(
+        "late_sampler",
+        "training.distributed_strategy=ddp",
+        "training.gradient_accumulation_steps=1",
+        "training.dist_timeout_s=4",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+    ]
+    run.tmp.joinpath("logs").mkdir(exist_ok=True)
+    with (run.tmp / "logs" / "trainer.log").open("ab") as out:
+        trainer = subprocess.Popen(
+            [*cmd, "-m", "tandem.cli", "train", *run.overrides],
+            env=child_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    run.procs.append(trainer)
+    run.wait_for(lambda: "waiting for samplers" in run.log("trainer"), "the trainer to start")
+    time.sleep(12)
+    sampler = run.sampler()
+    assert run.wait(trainer, "trainer", timeout=240) == 0, run.log("trainer")[-4000:]
+    assert run.wait(sampler, "s0", timeout=60) == 0, run.log("s0")[-3000:]
+    rows = run.rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["world_size"] == 2
+    assert rows[0]["wait_seconds"] > 12
 
 
 def test_two_nodes_on_loopback(make_run):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tandem.config import ConfigError
 
-TIMEOUT = datetime.timedelta(minutes=30)  # a rank waits this long for the others (e.g. rank 0 at a save)
+KEEP_ALIVE = "waiting"  # what rank 0 broadcasts, now and then, while it waits for samplers
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(strategy: str, device_type: str, backend: str = "auto") -> DistEnv:
-    """Join the launcher's process group (or make a group of one for DeepSpeed alone).
+def init_distributed(
+    strategy: str, device_type: str, backend: str = "auto", timeout_s: float = 1800.0
+) -> DistEnv:
+    """Join the launcher's process group (or make a group of one for DeepSpeed alone); a collective
+    fails after `timeout_s` seconds without its peers.
 
     strategy `none` never creates a group; started under torchrun with several ranks it is a
     mistake the message names. Without CUDA, DeepSpeed is told to use its CPU accelerator.
@@ -78,7 +81,7 @@ def init_distributed(strategy: str, device_type: str, backend: str = "auto") -> 
     if not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend, timeout=TIMEOUT)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return DistEnv(rank=rank, world_size=dist.get_world_size(), local_rank=local_rank, backend=backend)
 
 
@@ -120,6 +123,21 @@ def broadcast_json(env: DistEnv, obj=None):
         buf = torch.empty(int(size), dtype=torch.uint8)
     dist.broadcast(buf, 0)
     return json.loads(bytes(buf.numpy()).decode())
+
+
+def keep_alive(env: DistEnv) -> None:
+    """Rank 0, while it waits for samplers: tell the other ranks, who wait in
+    `broadcast_after_waits`, so that their collective does not time out however long that is."""
+    broadcast_json(env, KEEP_ALIVE)
+
+
+def broadcast_after_waits(env: DistEnv, obj=None):
+    """`broadcast_json` of a value rank 0 may take long to have (it waits for samplers first and
+    sends `keep_alive` meanwhile); the other ranks skip those keep-alives."""
+    while True:
+        value = broadcast_json(env, obj)
+        if env.is_main or value != KEEP_ALIVE:
+            return value
 
 
 def all_reduce_sum(env: DistEnv, values: list[float]) -> list[float]:

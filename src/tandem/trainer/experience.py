@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 STARVED_AFTER_S = 5.0  # waiting this long for groups makes samplers at their quota produce more
 SYNC_STATE_FILE = "sync_state.json"
 FINISH_LINGER_S = 60.0  # a finished trainer waits at most this long for samplers to hear it
+KEEP_ALIVE_S = 60.0  # a distributed trainer's rank 0 tells the others it still waits this often
 MAX_TAKES_ANNOUNCED = 256  # sync_every far above the steps per batch could ask for many
 
 
@@ -41,7 +43,9 @@ class LocalExperience:
         self.version = 0
         self._stale_copy = False
 
-    def next_groups(self, num_groups: int) -> tuple[list[Group], dict]:
+    def next_groups(
+        self, num_groups: int, keep_alive: Callable[[], None] | None = None
+    ) -> tuple[list[Group], dict]:
         if self._stale_copy:
             copy_weights(self.policy, self.rollout.policy)
             self._stale_copy = False
@@ -207,16 +211,25 @@ class RemoteExperience:
             stats.update(weights_lent=served["shared"], weights_sent=served["fetch"])
         return stats
 
-    def next_groups(self, num_groups: int) -> tuple[list[Group], dict]:
+    def next_groups(
+        self, num_groups: int, keep_alive: Callable[[], None] | None = None
+    ) -> tuple[list[Group], dict]:
+        """The next `num_groups` fresh groups, waiting for samplers as long as it takes (or
+        `pipeline.data_timeout_s`); `keep_alive` is called now and then meanwhile (the other
+        ranks of a distributed trainer wait in a collective that must not time out)."""
         p = self.cfg.pipeline
-        start = last_arrival = next_warning = time.monotonic()
+        start = last_arrival = next_warning = last_alive = time.monotonic()
         next_warning += p.data_warn_s
+        alive_every = min(KEEP_ALIVE_S, self.cfg.training.dist_timeout_s / 4)
         groups: list[Group] = []
         dropped = Counter()
         starved = False
         while len(groups) < num_groups:
             group = self.receiver.recv(timeout=0.25)
             now = time.monotonic()
+            if keep_alive is not None and now - last_alive >= alive_every:
+                keep_alive()
+                last_alive = now
             if group is None:
                 if not starved and now - last_arrival > STARVED_AFTER_S:
                     starved = True

@@ -22,7 +22,13 @@ from tqdm import tqdm
 from tandem.algorithms.grpo import grpo_loss
 from tandem.config import Config, ConfigError, config_to_dict, validate_batch
 from tandem.distributed.engine import build_engine
-from tandem.distributed.env import DistEnv, all_reduce_sum, broadcast_json, scatter_tensor_dicts
+from tandem.distributed.env import (
+    DistEnv,
+    all_reduce_sum,
+    broadcast_after_waits,
+    keep_alive,
+    scatter_tensor_dicts,
+)
 from tandem.sampler.rollout import build_rollout, prompt_stream
 from tandem.trainer import checkpoint as ckpt
 from tandem.trainer import run
@@ -107,7 +113,9 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
             row_start = time.perf_counter()
             samples, groups, batch_stats = [], [], {}
             if env.is_main:
-                groups, batch_stats = experience.next_groups(cfg.grpo.prompts_per_step)
+                groups, batch_stats = experience.next_groups(
+                    cfg.grpo.prompts_per_step, lambda: keep_alive(env)
+                )
                 batch_stats = {**summarize_groups(groups), **batch_stats}
                 samples = flatten_groups(
                     groups,
@@ -118,7 +126,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
                 steps = batch_steps(tc, len(samples), cfg.grpo.num_iterations, env.world_size)
                 experience.expect(step, steps, steps_per_batch)
             # every rank walks the same optimizer batches: rank 0 says how many sequences there are
-            num_samples = broadcast_json(env, len(samples) if env.is_main else None)
+            num_samples = broadcast_after_waits(env, len(samples) if env.is_main else None)
             batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
             for _ in range(cfg.grpo.num_iterations):
                 for first in range(0, max(num_samples, 1), batch_size):

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from tandem.algorithms.ppo import gae, kl_penalized_rewards, ppo_policy_loss, value_loss
 from tandem.config import Config, ConfigError, config_to_dict, validate_batch
 from tandem.distributed.engine import build_engine
-from tandem.distributed.env import DistEnv, all_reduce_sum, broadcast_json
+from tandem.distributed.env import DistEnv, all_reduce_sum, broadcast_after_waits, keep_alive
 from tandem.models.value_head import ValueHeadModel
 from tandem.trainer import checkpoint as ckpt
 from tandem.trainer import run
@@ -124,7 +124,9 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
             row_start = time.perf_counter()
             samples, groups, batch_stats = [], [], {}
             if env.is_main:
-                groups, batch_stats = experience.next_groups(cfg.grpo.prompts_per_step)
+                groups, batch_stats = experience.next_groups(
+                    cfg.grpo.prompts_per_step, lambda: keep_alive(env)
+                )
                 batch_stats = {**summarize_groups(groups), **batch_stats}
                 samples = flatten_groups(groups, scale_rewards="none", adv_eps=0.0, skip_zero_variance=False)
                 steps = batch_steps(tc, len(samples), cfg.ppo.num_iterations, env.world_size)
@@ -202,7 +204,7 @@ def scatter_batch(env: DistEnv, samples: list[Sample], cfg: Config) -> list[Shar
     """This rank's share of each optimizer batch of one batch of groups (rank 0 cuts the batch into
     optimizer batches and splits each by whole groups, as GRPO does; the other ranks pass [])."""
     tc = cfg.training
-    num_samples = broadcast_json(env, len(samples) if env.is_main else None)
+    num_samples = broadcast_after_waits(env, len(samples) if env.is_main else None)
     batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
     return [
         scatter_share(env, samples[first : first + batch_size] if env.is_main else None, cfg)

@@ -29,7 +29,8 @@ def run_distributed(cfg: Config, train: Callable[[Config, DistEnv, torch.device]
     set_seed(cfg.seed)
     set_threads(cfg.training.num_threads)
     device = resolve_device(cfg.training.device)
-    env = init_distributed(cfg.training.distributed_strategy, device.type, cfg.training.dist_backend)
+    tc = cfg.training
+    env = init_distributed(tc.distributed_strategy, device.type, tc.dist_backend, tc.dist_timeout_s)
     if device.type == "cuda" and env.active:
         device = torch.device("cuda", env.local_rank)
     try:
