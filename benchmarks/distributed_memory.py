@@ -3,8 +3,12 @@
     .venv/bin/python benchmarks/distributed_memory.py [--ranks 2] [--steps 2]
 
 For none (1 process), ddp and DeepSpeed ZeRO-1/2/3 (`--ranks` processes each, gloo on the CPU),
-every rank trains SmolLM2-135M (fp32, AdamW) for a few optimizer steps on the same synthetic
-groups through tandem's real engine and reports:
+every rank loads SmolLM2-135M as the trainers do (run.load_policy: under ZeRO-3 each rank builds
+only its shard, deepspeed.zero.Init; `zero3_whole` is ZeRO-3 with training.zero3_init=false, every
+rank loading the whole model first), trains it (fp32, AdamW) for a few optimizer steps on the same
+synthetic groups through tandem's real engine and reports:
+- after_load_gb: RSS once the model is loaded, before the engine is built (rank 0 of a sharded
+  load also read the whole checkpoint, which transformers does on rank 0 alone);
 - after_engine_gb: RSS once the engine is built, before any step (DeepSpeed has made its fp32
   partitions and optimizer states by then; torch's AdamW makes its moments at the first step);
 - model_state_gb: RSS after the first optimizer step minus RSS before the model was loaded, i.e.
@@ -34,6 +38,11 @@ STRATEGIES = {
     "zero1": ["training.distributed_strategy=deepspeed", "training.zero_stage=1"],
     "zero2": ["training.distributed_strategy=deepspeed", "training.zero_stage=2"],
     "zero3": ["training.distributed_strategy=deepspeed", "training.zero_stage=3"],
+    "zero3_whole": [
+        "training.distributed_strategy=deepspeed",
+        "training.zero_stage=3",
+        "training.zero3_init=false",
+    ],
 }
 
 
@@ -63,9 +72,9 @@ def worker(out_dir: str, steps: int, overrides: list[str]) -> None:
     from tandem.config import load_config
     from tandem.distributed.engine import build_engine
     from tandem.distributed.env import init_distributed, shutdown
-    from tandem.models.loading import load_causal_lm
     from tandem.trainer.batching import Sample
     from tandem.trainer.grpo import optimizer_step, scatter_share
+    from tandem.trainer.run import load_policy
 
     cfg = load_config(
         None,
@@ -81,10 +90,8 @@ def worker(out_dir: str, steps: int, overrides: list[str]) -> None:
     )
     env = init_distributed(cfg.training.distributed_strategy, "cpu")
     baseline = rss_gb()
-    model = load_causal_lm("embedded", dtype="float32")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    num_parameters = sum(p.numel() for p in model.parameters())
+    _, model = load_policy(cfg, env, torch.device("cpu"))  # model.policy: embedded, float32
+    num_parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # shards count whole
     loaded = rss_gb()
     engine = build_engine(model, cfg.training, env, torch.device("cpu"))
     built = rss_gb()
@@ -150,6 +157,7 @@ def main() -> None:
     )
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(HERE / "results" / "distributed_memory.json"))
     args, rest = parser.parse_known_args()
@@ -157,13 +165,14 @@ def main() -> None:
         worker(args.worker, args.steps, rest)
         return
     table = []
-    for strategy in STRATEGIES:
+    for strategy in args.strategies.split(","):
         ranks = 1 if strategy == "none" else args.ranks
         rows = run(strategy, ranks, args.steps)
         p = rows[0]["num_parameters"]
         row = {
             "strategy": strategy,
             "ranks": ranks,
+            "after_load_gb_by_rank": [r["after_load_gb"] for r in rows],
             "after_engine_gb_per_rank": max(r["after_engine_gb"] for r in rows),
             "model_state_gb_per_rank": max(r["model_state_gb"] for r in rows),
             "peak_gb_per_rank": max(r["peak_gb"] for r in rows),

@@ -15,11 +15,10 @@ import torch
 
 from tandem.config import load_config, validate_batch
 from tandem.distributed.engine import build_engine
-from tandem.distributed.env import init_distributed, shutdown
-from tandem.models.loading import load_causal_lm
-from tandem.models.lora import apply_lora
+from tandem.distributed.env import all_reduce_sum, init_distributed, shutdown
 from tandem.trainer.batching import flatten_groups
 from tandem.trainer.grpo import optimizer_step, scatter_share
+from tandem.trainer.run import load_policy
 from tandem.types import Completion, Group
 
 NUM_STEPS = 3
@@ -61,6 +60,22 @@ def fixed_groups(step: int, num_groups: int, group_size: int, vocab: int) -> lis
     return groups
 
 
+def held(model: torch.nn.Module, env) -> list[int]:
+    """Elements of the model each rank holds: in parameter storage (empty for a ZeRO-3 parameter
+    outside its forward) plus its ZeRO-3 shards (`ds_tensor`)."""
+    params = list(model.parameters())
+    own = sum(p.numel() for p in params) + sum(p.ds_tensor.numel() for p in params if hasattr(p, "ds_tensor"))
+    mine = [0.0] * env.world_size
+    mine[env.rank] = float(own)
+    return [int(x) for x in all_reduce_sum(env, mine)]
+
+
+def sizes(model: torch.nn.Module, env) -> dict:
+    """The model's full size (`ds_numel` of a sharded parameter) and one rank's share of it under ZeRO-3."""
+    full = [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]
+    return {"full_numel": sum(full), "shard_numel": sum(-(-n // env.world_size) for n in full)}
+
+
 def main() -> None:
     model_dir, out, *overrides = sys.argv[1:]
     cfg = load_config(None, [f"model.policy={model_dir}", "training.device=cpu", *overrides])
@@ -69,12 +84,8 @@ def main() -> None:
     env = init_distributed(tc.distributed_strategy, "cpu")
     validate_batch(cfg, env.world_size)
     torch.manual_seed(0)
-    model = load_causal_lm(model_dir, dtype="float32")
-    if cfg.model.lora.enabled:
-        model = apply_lora(model, cfg.model.lora)
-    if tc.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
+    _, model = load_policy(cfg, env, device)  # as the trainers load it (ZeRO-3: sharded, zero.Init)
+    loaded = {"held_at_load": held(model, env), **sizes(model, env)}
     engine = build_engine(model, tc, env, device)
     rows = []
     for step in range(NUM_STEPS):
@@ -87,11 +98,13 @@ def main() -> None:
         share = scatter_share(env, samples if env.is_main else None, cfg)
         stats = optimizer_step(engine, share, cfg, device, env)
         rows.append({k: stats[k] for k in ("loss", "kl", "grad_norm", "lr", "num_train_sequences")})
+    loaded["held_after_steps"] = held(engine.module, env)
     with engine.gathered():
         if env.is_main:
             torch.save({k: v.detach().clone() for k, v in engine.module.state_dict().items()}, out)
             with open(out + ".json", "w") as f:
-                json.dump({"rows": rows, "world_size": env.world_size, "engine": type(engine).__name__}, f)
+                record = {"rows": rows, "world_size": env.world_size, "engine": type(engine).__name__}
+                json.dump({**record, **loaded}, f)
     shutdown(env)
     # as `tandem` does under a launcher (cli.main): no interpreter teardown, where a thread of the
     # distributed stack sometimes aborts the process after a clean finish

@@ -17,10 +17,10 @@ from dist_driver import fixed_groups
 from tandem.config import load_config, validate_batch
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import init_distributed, shutdown
-from tandem.models.loading import load_causal_lm
 from tandem.models.value_head import ValueHeadModel
 from tandem.trainer.batching import flatten_groups
 from tandem.trainer.ppo import optimizer_step, prepare_batch, scatter_batch
+from tandem.trainer.run import load_policy
 
 NUM_BATCHES = 2
 
@@ -41,8 +41,7 @@ def main() -> None:
     env = init_distributed(tc.distributed_strategy, "cpu")
     validate_batch(cfg, env.world_size)
     torch.manual_seed(0)
-    model = load_causal_lm(model_dir, dtype="float32")
-    model.config.use_cache = False
+    _, model = load_policy(cfg, env, device)  # as the trainers load it (ZeRO-3: sharded, zero.Init)
     forward = ValueHeadModel(model)
     seeded_value_head(forward)
     engine = build_engine(model, tc, env, device, forward=forward)

@@ -223,6 +223,10 @@ class TrainingConfig:
     zero_stage: int = 2  # deepspeed: 1 (optimizer states) | 2 (+ gradients) | 3 (+ parameters) sharded
     offload_optimizer: str = "none"  # deepspeed: none | cpu | nvme (optimizer states off the GPU)
     offload_param: str = "none"  # deepspeed ZeRO-3: none | cpu | nvme (parameters off the GPU)
+    # ZeRO-3: load the policy (and DPO's reference) under deepspeed.zero.Init, each rank holding only
+    # its shard from the start; false: every rank loads the whole model, then DeepSpeed shards it
+    # (for model code that zero.Init cannot build, or to compare with that path)
+    zero3_init: bool = True
     nvme_path: str | None = None  # folder for nvme offload
     deepspeed_config: str | None = None  # a DeepSpeed JSON ("auto" values are filled from this config)
     dist_backend: str = "auto"  # auto (nccl on GPUs, gloo on the CPU) | nccl | gloo

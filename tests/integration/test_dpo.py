@@ -359,7 +359,9 @@ def test_lora_reference_is_the_base_under_the_adapters(tiny_model_dir, tmp_path,
         *LORA,
     )
     policy = apply_lora(load_causal_lm(str(tiny_model_dir)), cfg.model.lora)
-    reference = build_reference(cfg, types.SimpleNamespace(module=policy), None, torch.device("cpu"))
+    reference = build_reference(
+        cfg, types.SimpleNamespace(module=policy), None, DistEnv(), torch.device("cpu")
+    )
     assert isinstance(reference, BaseOfAdapter) and reference.model is policy  # no second copy
 
     final = train_dpo(cfg)

@@ -10,6 +10,7 @@ DeepSpeed as client objects) unless the file has its own "optimizer"/"scheduler"
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,29 @@ def generated(tc: TrainingConfig, world_size: int, stage: int | None = None) -> 
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def zero3_init_config(
+    tc: TrainingConfig, world_size: int, dtype: str, num_parameters: Callable[[], int]
+) -> dict[str, Any] | None:
+    """The config to build a model under deepspeed.zero.Init with, when this run trains with ZeRO-3
+    and `training.zero3_init` is on; else None. `num_parameters()` is asked only under `auto`, whose
+    choice depends on the size. zero.Init casts the shards to the config's precision, fp32 without
+    mixed precision: there this config names `dtype` (model.dtype) instead, so the shards are what
+    a whole load gives and a bfloat16 model is not doubled."""
+    if not tc.zero3_init or tc.distributed_strategy not in ("deepspeed", "auto"):
+        return None
+    size = num_parameters() if tc.distributed_strategy == "auto" else 0
+    strategy, stage = strategy_for(size, tc.distributed_strategy, tc.zero_stage)
+    if strategy != "deepspeed":
+        return None
+    config = resolve(tc, world_size, stage)
+    if int(config["zero_optimization"]["stage"]) != 3:
+        return None
+    if not (config["bf16"]["enabled"] or config["fp16"]["enabled"]):
+        config["bf16"] = {"enabled": dtype == "bfloat16"}
+        config["fp16"] = {"enabled": dtype == "float16"}
+    return config
 
 
 def resolve(tc: TrainingConfig, world_size: int, stage: int | None = None) -> dict[str, Any]:

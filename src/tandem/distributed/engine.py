@@ -17,13 +17,15 @@ short share with zero-weighted micro-batches): DDP and ZeRO reduce inside backwa
 gathers parameters inside forward.
 
 `TorchEngine` serves `none` and `ddp`; `DeepSpeedEngine` serves ZeRO-1/2/3 (with CPU/NVMe
-offload). Only this package imports torch.distributed or deepspeed.
+offload); under ZeRO-3 the policy comes to it already sharded (loaded inside `partitioned_loading`).
+Only this package imports torch.distributed or deepspeed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -170,12 +172,14 @@ class DeepSpeedEngine:
         return float(self.model.get_lr()[0])
 
     def gathered(self):
-        """Under ZeRO-3 every rank takes part in gathering the full parameters into the module."""
+        """Under ZeRO-3 every rank takes part in gathering the full parameters into the module, and
+        into any head that trains with it (PPO's value head, sharded too below DeepSpeed's
+        stage3_param_persistence_threshold)."""
         if self.stage != 3:
             return contextlib.nullcontext()
         import deepspeed
 
-        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+        return deepspeed.zero.GatheredParameters(list(self.model.module.parameters()), modifier_rank=None)
 
     def save(self, folder: Path) -> None:
         """Every rank writes its shards into folder/deepspeed (a folder all ranks see)."""
@@ -195,6 +199,58 @@ class DeepSpeedEngine:
             raise ValueError(f"DeepSpeed found no checkpoint in {folder / 'deepspeed'}")
 
 
+@contextlib.contextmanager
+def partitioned_loading(
+    tc: TrainingConfig, env: DistEnv, dtype: str, num_parameters: Callable[[], int]
+) -> Iterator[bool]:
+    """Under ZeRO-3, `from_pretrained` inside this block builds the model under deepspeed.zero.Init:
+    each rank allocates only its shard of every parameter and rank 0 reads the checkpoint, handing
+    each layer's values out as it goes, so no rank holds the whole model before DeepSpeed shards it.
+    Yields whether it does (see deepspeed_config.zero3_init_config). The load is collective: every
+    rank enters the block at once."""
+    config = deepspeed_config.zero3_init_config(tc, env.world_size, dtype, num_parameters)
+    if config is None:
+        yield False
+        return
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    deepspeed.init_distributed(dist_backend=env.backend)  # zero.Init takes the world size from it
+    # transformers finds it through a weak reference. Alive for this block only: loads outside it
+    # (Safe-MM's reward models) stay whole, and training meets none of transformers' ZeRO-3 paths
+    hf_config = HfDeepSpeedConfig(config)
+    try:
+        yield True
+    finally:
+        unset_hf_deepspeed_config()
+        del hf_config
+
+
+def frozen_forward(module: torch.nn.Module, tc: TrainingConfig, env: DistEnv) -> torch.nn.Module:
+    """forward(packed rows, temperature) -> token log-probs of a frozen model that runs beside the
+    trained one (DPO's reference); call it without gradients. A model loaded sharded runs inside a
+    DeepSpeed engine without optimizer, whose hooks gather each layer for its forward (as TRL does
+    for its reference): every rank must then call it as many times as the others."""
+    forward = PackedLogprobsModule(module)
+    if not is_partitioned(module):
+        return forward
+    import deepspeed
+
+    config = deepspeed_config.resolve(tc, env.world_size, 3)
+    for key in ("optimizer", "scheduler"):
+        config.pop(key, None)
+    config["zero_optimization"].pop("offload_optimizer", None)
+    engine, *_ = deepspeed.initialize(model=forward, config=config)
+    engine.eval()  # DeepSpeed's eval() returns None, not the engine
+    return engine
+
+
+def is_partitioned(module: torch.nn.Module) -> bool:
+    """Whether `module` holds ZeRO-3 shards (built under partitioned_loading, or already trained)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
 def checkpoint_format(folder: Path) -> str:
     return "deepspeed" if (folder / "deepspeed").is_dir() else "torch"
 
@@ -211,8 +267,11 @@ def build_engine(
     head), and the optimizer takes its parameters; engine.module stays the model that checkpoints,
     exports and weight sync see. By default PackedLogprobsModule(module), the policy's token
     log-probs."""
-    num_parameters = sum(p.numel() for p in module.parameters())
+    # a ZeRO-3 shard counts whole
+    num_parameters = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
     strategy, stage = deepspeed_config.strategy_for(num_parameters, tc.distributed_strategy, tc.zero_stage)
+    if is_partitioned(module):  # loaded under partitioned_loading: ZeRO-3 was decided there
+        strategy, stage = "deepspeed", 3
     if tc.distributed_strategy == "auto" and env.is_main:
         chosen = f"deepspeed ZeRO-{stage}" if strategy == "deepspeed" else strategy
         log.info("distributed_strategy auto: %.2fB parameters -> %s", num_parameters / 1e9, chosen)
@@ -221,4 +280,13 @@ def build_engine(
     return TorchEngine(module, tc, env, device, forward)
 
 
-__all__ = ["DeepSpeedEngine", "TorchEngine", "barrier", "build_engine", "checkpoint_format"]
+__all__ = [
+    "DeepSpeedEngine",
+    "TorchEngine",
+    "barrier",
+    "build_engine",
+    "checkpoint_format",
+    "frozen_forward",
+    "is_partitioned",
+    "partitioned_loading",
+]

@@ -48,7 +48,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     if (out_dir / "config.json").is_file():
         return out_dir
-    log.info("converting %s to an HF folder at %s (once)", gguf_path, out_dir)
+    # the whole model in fp32 in this one process, also under ZeRO-3 (zero.Init cannot read a GGUF)
+    log.info("converting %s to an HF folder at %s (once, whole in memory)", gguf_path, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
@@ -107,13 +108,14 @@ def load_causal_lm(
     dtype: str = "float32",
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = "cpu",
     trainable: bool = True,
     auto_class=None,
     **from_pretrained_kwargs,
 ):
     """A causal LM ready for training (train mode) or frozen inference (eval, no grads).
-    `auto_class` loads another head on the same trunk (models/reward.py: sequence classification)."""
+    `auto_class` loads another head on the same trunk (models/reward.py: sequence classification).
+    `device` None leaves the parameters where loading put them (ZeRO-3 shards: where zero.Init did)."""
     if auto_class is None:
         from transformers import AutoModelForCausalLM as auto_class
 
@@ -123,13 +125,26 @@ def load_causal_lm(
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
         **from_pretrained_kwargs,
-    ).to(device)
+    )
+    if device is not None:
+        model = model.to(device)
     check_supported(model)
     if trainable:
         model.train()
     else:
         model.eval().requires_grad_(False)
     return model
+
+
+def count_parameters(spec: str, *, trust_remote_code: bool = False) -> int:
+    """The parameters of a causal LM, from its config alone (built on the meta device: no weights
+    read, no memory taken)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(resolve_model_path(spec), trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return sum(p.numel() for p in model.parameters())
 
 
 def check_supported(model) -> None:

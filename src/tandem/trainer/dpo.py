@@ -20,13 +20,12 @@ from tqdm import tqdm
 from tandem.algorithms.dpo import dpo_loss, safe_mm_margin, sequence_logps
 from tandem.config import Config, ConfigError
 from tandem.data.preferences import EncodedPair, PreferencePair, encode_pair, load_preferences
-from tandem.distributed.engine import build_engine
+from tandem.distributed.engine import build_engine, frozen_forward
 from tandem.distributed.env import DistEnv, all_reduce_sum
-from tandem.models.forward import PackedLogprobsModule, pack_rows
-from tandem.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer
+from tandem.models.forward import pack_rows
+from tandem.models.loading import check_same_tokenizer, load_tokenizer
 from tandem.models.lora import BaseOfAdapter, is_lora
 from tandem.models.reward import RewardScorer
-from tandem.sampler.rollout import model_kwargs
 from tandem.trainer import run
 from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
 from tandem.trainer.runtime import autocast
@@ -117,7 +116,7 @@ def prepare(cfg: Config, engine, tokenizer, env: DistEnv, device: torch.device):
     if cfg.dpo.safe_mm.enabled:
         train.margins = reward_margins(cfg, train_raw, env, device)
         evals.margins = reward_margins(cfg, eval_raw, env, device) if eval_raw else None
-    reference = build_reference(cfg, engine, tokenizer, device)
+    reference = build_reference(cfg, engine, tokenizer, env, device)
     if cfg.dpo.reference_logps == "precompute":
         with reference_forward(reference, engine) as forward:
             train.ref_logps = precompute_ref_logps(forward, train, cfg, env, device)
@@ -213,11 +212,12 @@ def pair_logps(
     return sequence_logps(token_logprobs, positions[None, :] < lengths[:, None]).view(-1, 2)
 
 
-def build_reference(cfg: Config, engine, tokenizer, device: torch.device):
+def build_reference(cfg: Config, engine, tokenizer, env: DistEnv, device: torch.device):
     """The frozen reference. LoRA without model.reference: the base under the adapters (BaseOfAdapter,
     no second copy). Otherwise model.reference, else the initial policy: the policy itself (None)
     when log-probs are precomputed before the first update, a frozen eval-mode copy loaded from
-    model.policy when they are computed online."""
+    model.policy when they are computed online, as a forward (frozen_forward: under ZeRO-3 it is
+    loaded sharded like the policy)."""
     if is_lora(engine.module) and not cfg.model.reference:
         return BaseOfAdapter(engine.module)
     if cfg.model.reference:
@@ -226,12 +226,8 @@ def build_reference(cfg: Config, engine, tokenizer, device: torch.device):
         )
     elif cfg.dpo.reference_logps == "precompute":
         return None
-    return load_causal_lm(
-        cfg.model.reference or cfg.model.policy,
-        dtype=cfg.model.dtype,
-        trainable=False,
-        **model_kwargs(cfg, device),
-    )
+    model = run.load_model(cfg, env, device, cfg.model.reference or cfg.model.policy, trainable=False)
+    return frozen_forward(model, cfg.training, env)
 
 
 @contextlib.contextmanager
@@ -240,7 +236,7 @@ def reference_forward(reference, engine):
     its base runs through engine.model in eval mode (DDP and ZeRO-3 see the forward)."""
     with torch.no_grad():
         if reference is not None and not isinstance(reference, BaseOfAdapter):
-            yield PackedLogprobsModule(reference)
+            yield reference
             return
         was_training = engine.model.training
         engine.model.eval()

@@ -4,6 +4,8 @@ checkpoints and the final export. Each method's loop (grpo, sft, rm, dpo, ppo) c
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import random
 from collections.abc import Callable
@@ -12,8 +14,9 @@ from pathlib import Path
 import torch
 
 from tandem.config import Config, ConfigError, config_to_dict, dump_config
+from tandem.distributed.engine import is_partitioned, partitioned_loading
 from tandem.distributed.env import DistEnv, barrier, broadcast_json, init_distributed, main_first, shutdown
-from tandem.models.loading import load_causal_lm, load_tokenizer
+from tandem.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
 from tandem.models.lora import apply_lora, is_lora
 from tandem.sampler.rollout import model_kwargs
 from tandem.trainer import checkpoint as ckpt
@@ -66,14 +69,13 @@ def open_run(cfg: Config, env: DistEnv) -> Path | None:
 
 
 def load_policy(cfg: Config, env: DistEnv, device: torch.device, loader: Callable = load_causal_lm):
-    """(tokenizer, trainable model): model.policy loaded by `loader`, LoRA applied when enabled,
-    gradient checkpointing and use_cache=False set for training. Rank 0 loads first, so the
-    embedded model is converted and cached once."""
+    """(tokenizer, trainable model): model.policy loaded by `loader` (load_model), LoRA applied when
+    enabled, gradient checkpointing and use_cache=False set for training."""
     with main_first(env):
         tokenizer = load_tokenizer(
             cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code
         )
-        model = loader(cfg.model.policy, dtype=cfg.model.dtype, **model_kwargs(cfg, device))
+    model = load_model(cfg, env, device, cfg.model.policy, loader)
     if cfg.model.lora.enabled:
         model = apply_lora(model, cfg.model.lora)  # only the adapters (and any new head) train
     if cfg.training.gradient_checkpointing:
@@ -85,6 +87,28 @@ def load_policy(cfg: Config, env: DistEnv, device: torch.device, loader: Callabl
     model.config.use_cache = False
     trim_memory_in_training(model)
     return tokenizer, model
+
+
+def load_model(cfg: Config, env: DistEnv, device: torch.device, spec: str, loader=load_causal_lm, **kwargs):
+    """Model `spec` loaded by `loader` in model.dtype on every rank. Under ZeRO-3 each rank builds
+    only its shard (partitioned_loading: deepspeed.zero.Init), all ranks at once; otherwise rank 0
+    loads first, then the others, so that their peaks do not add up."""
+    with main_first(env):
+        # a GGUF file or the embedded model becomes an HF folder here, once, by rank 0 alone (in
+        # full: zero.Init cannot read a GGUF); the sharded load below reads that folder
+        path = resolve_model_path(spec)
+    num_parameters = functools.partial(count_parameters, path, trust_remote_code=cfg.model.trust_remote_code)
+    with partitioned_loading(cfg.training, env, cfg.model.dtype, num_parameters) as partitioned:
+        in_turn = contextlib.nullcontext() if partitioned else main_first(env)
+        with in_turn:  # sharded: the shards stay where zero.Init put them (device None)
+            on = None if partitioned else device
+            model = loader(path, dtype=cfg.model.dtype, **model_kwargs(cfg, on), **kwargs)
+    if partitioned and not is_partitioned(model):  # transformers skips zero.Init for a quantized checkpoint
+        log.warning("%s was loaded whole on every rank: transformers did not shard it at load", spec)
+        model = model.to(device)
+    elif partitioned and env.is_main:
+        log.info("%s loaded under deepspeed.zero.Init: each rank holds 1/%d of it", spec, env.world_size)
+    return model
 
 
 def full_batches_per_epoch(num_items: int, batch_size: int, env: DistEnv, what: str) -> int:
