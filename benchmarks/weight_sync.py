@@ -1,7 +1,7 @@
 """Weight sync of a 135M-parameter fp32 policy, trainer -> sampler process, against a memory copy.
 
   .venv/bin/python benchmarks/weight_sync.py [--quick] [--repeats 5] [--model random|embedded]
-                                             [--sync-dtype bfloat16] [--chunk-mib 8] [--default-allocator]
+                                             [--sync-dtype bfloat16] [--chunk-mib 8]
                                              [--skip-gloo]
 
 The policy has SmolLM2-135M's shapes (Llama: 30 layers, hidden 576, intermediate 1536, 9 heads /
@@ -140,9 +140,8 @@ def measure_copy(nbytes: int, repeats: int) -> dict:
 # ----------------------------------------------------------------------------- (b, c) tandem
 
 
-def sampler_main(conn, method: str, where: str, model_kind: str, num_rounds: int, tune: bool) -> None:
+def sampler_main(conn, method: str, where: str, model_kind: str, num_rounds: int) -> None:
     """Child process: the sampler side, one round per published version."""
-    del tune  # the sampler worker leaves glibc malloc alone (received chunks reuse warm pages)
     model = build_model(model_kind)
     shared = method == "zmq_shared"
     source = WeightClient(where) if method.startswith("zmq") else FsWeightReader(where)
@@ -188,7 +187,7 @@ def measure_method(method: str, where: str, model: torch.nn.Module, args: argpar
     num_rounds = args.repeats + 1
     process = ctx.Process(
         target=sampler_main,
-        args=(child, method, address, args.model, num_rounds, not args.default_allocator),
+        args=(child, method, address, args.model, num_rounds),
     )
     process.start()
     rows = []
