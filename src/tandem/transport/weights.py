@@ -501,10 +501,10 @@ class WeightServer:
         if status.finished:  # marked before sending: the sampler may act on it at once
             with self._lock:
                 self._told_finished.add(identity)
+        self.served["status"] += 1
         if not self._send(identity, encode_control("status", {"request": request, **status_payload(status)})):
             with self._lock:
                 self._told_finished.discard(identity)
-        self.served["status"] += 1
 
     def _lend_snapshot(self, identity: bytes, request: str, snapshot: Snapshot) -> None:
         """Tell a same-host sampler which file holds the snapshot; the buffer is not reused until
@@ -518,20 +518,26 @@ class WeightServer:
             "lease_until": until,
             "manifest": manifest_to_json(snapshot.manifest),
         }
-        if self._send(identity, encode_control("shared", payload)):
-            self.served["shared"] += 1
+        # counted before the reply leaves: a sampler that has it may read the count at once
+        self.served["shared"] += 1
+        if not self._send(identity, encode_control("shared", payload)):
+            self.served["shared"] -= 1
 
     def _send_snapshot(self, identity: bytes, request: str, snapshot: Snapshot) -> None:
         snapshot = snapshot.hashed()  # once per version, in this thread, for the first chunk fetch
         address = snapshot.flat.data_ptr()
-        for index in range(len(snapshot.manifest.chunks)):
+        last = len(snapshot.manifest.chunks) - 1
+        for index in range(last + 1):
             frames = encode_weights_chunk(snapshot.manifest, index, snapshot.chunk(index), request=request)
+            if index == last:  # counted before the last chunk leaves, as in _lend_snapshot
+                self.served["fetch"] += 1
             tracker = self._send(identity, frames, track=True)  # the chunk is the last frame
             if not tracker:
+                if index == last:
+                    self.served["fetch"] -= 1
                 return
             with self._lock:
                 self._in_flight.append((address, tracker))
-        self.served["fetch"] += 1
 
 
 def _is_news(status: TrainerStatus, newer_than: int, run_id: str | None) -> bool:
