@@ -48,19 +48,22 @@ def read_rows(path: Path) -> Rows:
     return read_parquet(path) if path.suffix == ".parquet" else read_jsonl(path)
 
 
-def read_hub(name: str, split: str) -> Rows:
-    """A hub data set's split (needs `datasets` and a network), labelled `name[split] row i`."""
+def read_hub(
+    name: str, split: str, *, subset: str | None = None, instead: str = "a local .jsonl/.parquet file"
+) -> Rows:
+    """A hub data set's split (needs `datasets` and a network), labelled `name[split] row i`;
+    `instead` says what to pass when it cannot be loaded."""
     try:
         import datasets
     except ImportError as err:
         raise ValueError(
-            f"loading {name!r} from the hub needs `pip install datasets`; or pass a local file"
+            f"loading {name!r} from the hub needs `pip install datasets`; or pass {instead}"
         ) from err
     try:
-        rows = datasets.load_dataset(name, split=split)
+        rows = datasets.load_dataset(name, subset, split=split)
     except Exception as err:  # offline, unknown split, hub error: all fixed the same way
         raise ValueError(
             f"could not load {name!r} split {split!r} from the hub ({type(err).__name__}: {err}); "
-            "pass a local .jsonl/.parquet file instead"
+            f"pass {instead} instead"
         ) from err
     return [(f"{name}[{split}] row {i}", row) for i, row in enumerate(rows)]

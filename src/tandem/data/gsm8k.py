@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from tandem.data import arithmetic
-from tandem.data.files import Rows, read_rows
+from tandem.data.files import read_hub, read_rows
 from tandem.types import Example
 
 HUB_IDS = ("openai/gsm8k", "gsm8k")
@@ -50,24 +50,6 @@ def _files_for(source: str, split: str) -> list[Path]:
     raise ValueError(f"no {split}.jsonl, {split}.parquet or {split}-*.parquet in {path}")
 
 
-def _load_hub(split: str) -> Rows:
-    try:
-        import datasets
-    except ImportError as err:
-        raise ValueError(
-            "loading 'openai/gsm8k' from the hub needs `pip install datasets` and a network; "
-            "or pass a local path to a GSM8K .jsonl/.parquet file or folder"
-        ) from err
-    try:
-        rows = datasets.load_dataset("openai/gsm8k", "main", split=split)
-    except Exception as err:  # offline, unknown split, hub error: all fixed the same way
-        raise ValueError(
-            f"could not load openai/gsm8k split {split!r} from the hub ({type(err).__name__}: {err}); "
-            "pass a local path to a GSM8K .jsonl/.parquet file or folder instead"
-        ) from err
-    return [(f"openai/gsm8k[{split}] row {i}", row) for i, row in enumerate(rows)]
-
-
 def load_gsm8k(source: str, split: str = "train", limit: int = 0) -> list[Example]:
     """GSM8K rows as Examples, in file order; `limit` > 0 keeps only the first `limit`.
 
@@ -75,7 +57,12 @@ def load_gsm8k(source: str, split: str = "train", limit: int = 0) -> list[Exampl
     holding `{split}.jsonl`, `{split}.parquet` or `{split}-*.parquet`, or "openai/gsm8k".
     """
     if source in HUB_IDS and not Path(source).exists():
-        labelled = _load_hub(split)
+        labelled = read_hub(
+            "openai/gsm8k",
+            split,
+            subset="main",
+            instead="a local path to a GSM8K .jsonl/.parquet file or folder",
+        )
     else:
         labelled = []
         for path in _files_for(source, split):
