@@ -12,7 +12,11 @@ tandem check-comm [serve|connect] ...        test both channels: latency, bandwi
 tandem keygen DIR [NAME ...]                 CURVE key pairs for authenticated multi-host runs
 tandem eval --model PATH|embedded ...         answer/format accuracy of a model
 tandem plot RUN_DIR [RUN_DIR ...]             PNG curves from metrics.jsonl
+tandem config show CONFIG [key=value ...]     the fully resolved config, nothing loaded
 tandem doctor                                 what this machine and install can run
+tandem --version
+
+Overrides (key=value) and options may come in any order after the command.
 """
 
 from __future__ import annotations
@@ -21,24 +25,57 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
+from tandem import __version__
+
 log = logging.getLogger("tandem")
+
+
+# `key=value` (dotted keys, list indices, non-ASCII names such as the seeds' λ_init)
+OVERRIDE = re.compile(r"^[^\W\d][\w.\-]*=", re.UNICODE)
+LAUNCHED_ENV = "TANDEM_LAUNCHED"  # set by `tandem launch` / `tandem grpo` in the processes it starts
 
 
 def _config(args, *extra: str, method: str | None = None):
     from tandem.config import load_config
 
-    if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
-        args.overrides, args.config = [args.config, *args.overrides], None  # no file, only overrides
     return load_config(args.config, [*args.overrides, *extra], method=method)
 
 
+def _require_method(cfg, command: str, allowed: tuple[str, ...]) -> None:
+    if cfg.method not in allowed:
+        from tandem.config import ConfigError
+
+        raise ConfigError(
+            f"`method` is {cfg.method!r}: `tandem {command}` runs {' and '.join(allowed)} configs; "
+            f"run this config with `tandem {cfg.method}`"
+        )
+
+
 def _finished(cfg) -> None:
+    """The run summary, printed once: by the command the user typed (not again by the trainer
+    process a launcher started, nor by every rank of a torchrun job)."""
+    if os.environ.get(LAUNCHED_ENV) or os.environ.get("RANK", "0") != "0":
+        return
     final = cfg.run_dir / "final"
     what = "reward model" if cfg.method == "rm" else "policy"
     print(f"final {what}: {final}\nrun record:   {cfg.run_dir}\nplots:        tandem plot {cfg.run_dir}")
+
+
+def _prepare_run_dir(cfg) -> None:
+    """Settle the run folder before any child starts (resume, refuse, or move an unfinished
+    record aside): the samplers' logs go into it, and a refusal must come before anything loads."""
+    from tandem.trainer.checkpoint import RunFolderTaken, prepare_run_dir
+
+    try:
+        prepare_run_dir(cfg.run_dir, cfg.training.resume_from_checkpoint)
+    except RunFolderTaken as err:
+        from tandem.config import ConfigError
+
+        raise ConfigError(str(err)) from None
 
 
 def _trainer_loop(method: str):
@@ -61,6 +98,7 @@ def cmd_grpo(args) -> int:
         rc = 0
     else:
         sampling, training = default_devices(cfg)
+        _prepare_run_dir(cfg)
         rc = launch(args.config, args.overrides, cfg, sampling, training)
     if rc == 0:
         _finished(cfg)
@@ -68,20 +106,30 @@ def cmd_grpo(args) -> int:
 
 
 def cmd_train(args) -> int:
-    extra = ["pipeline.mode=decoupled"]
+    extra = ["pipeline.mode=decoupled", *_port_overrides(args)]
     if args.no_deepspeed:
         extra.append("training.distributed_strategy=none")
+    device = args.device or (f"cuda:{args.gpu_id}" if args.gpu_id is not None else None)
+    if device is not None:
+        extra.append(f"training.device={device}")
     cfg = _config(args, *extra)
-    if cfg.method not in ("grpo", "ppo"):
-        from tandem.config import ConfigError
-
-        raise ConfigError(
-            f"`method` is {cfg.method!r}: `tandem train` is the trainer of grpo and ppo runs; "
-            f"run this config with `tandem {cfg.method}`"
-        )
+    _require_method(cfg, "train", ("grpo", "ppo"))
     _trainer_loop(cfg.method)(cfg)
     _finished(cfg)
     return 0
+
+
+def _port_overrides(args) -> list[str]:
+    """--trainer-host / --data-port / --sync-port as pipeline.* overrides (flags win over the file)."""
+    return [
+        f"pipeline.{key}={value}"
+        for key, value in (
+            ("trainer_host", getattr(args, "trainer_host", None)),
+            ("data_port", args.data_port),
+            ("sync_port", args.sync_port),
+        )
+        if value is not None
+    ]
 
 
 def cmd_method(args) -> int:
@@ -99,16 +147,8 @@ def cmd_method(args) -> int:
 def cmd_sample(args) -> int:
     from tandem.sampler.worker import TrainerGone, run_sampler
 
-    extra = [
-        f"pipeline.{key}={value}"
-        for key, value in (
-            ("trainer_host", args.trainer_host),
-            ("data_port", args.data_port),
-            ("sync_port", args.sync_port),
-        )
-        if value is not None
-    ]
-    cfg = _config(args, *extra)
+    cfg = _config(args, *_port_overrides(args))
+    _require_method(cfg, "sample", ("grpo", "ppo"))
     device = args.device or (f"cuda:{args.gpu_id}" if args.gpu_id is not None else "auto")
     try:
         run_sampler(cfg, sampler_id=args.sampler_id, device=device)
@@ -125,6 +165,8 @@ def cmd_launch(args) -> int:
     sampling = parse_devices(args.sampling_devices, "--sampling-devices")
     training = parse_devices(args.training_devices, "--training-devices")
     nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.launcher)
+    if nodes.node_rank == 0:  # the other nodes share node 0's output_dir, or keep none
+        _prepare_run_dir(cfg)
     rc = launch(args.config, args.overrides, cfg, sampling, training, nodes)
     if rc == 0:
         _finished(cfg)
@@ -191,6 +233,23 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_config_show(args) -> int:
+    """The fully resolved config as YAML (every default written out, seed keys translated); the
+    notes on how seed keys were read go to stderr. Nothing is loaded."""
+    import yaml
+
+    from tandem.config import config_to_dict
+
+    cfg = _config(args, method=args.method)
+    print(
+        f"# {args.config or 'built-in defaults'}"
+        + (f" with {' '.join(args.overrides)}" if args.overrides else "")
+    )
+    print(f"# run folder: {cfg.run_dir}")
+    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True), end="")
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from tandem.doctor import report
 
@@ -202,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     # the deepspeed launcher passes --local_rank=N before the command (LOCAL_RANK is read from the env)
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -225,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="plain PyTorch on one device (training.distributed_strategy=none)",
     )
+    p.add_argument("--device", help="training.device: cpu | cuda | cuda:N")
+    p.add_argument("--gpu-id", type=int, help="shorthand for --device cuda:N (the seeds' flag)")
+    p.add_argument("--data-port", type=int, help="port the groups arrive on (pipeline.data_port, 5555)")
+    p.add_argument("--sync-port", type=int, help="port weights are served on (pipeline.sync_port, 5556)")
     p.set_defaults(func=cmd_train)
 
     for name, text in (
@@ -328,21 +392,59 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="folder for the comparison figures when several runs are given")
     p.set_defaults(func=cmd_plot)
 
+    p = sub.add_parser("config", help="show the fully resolved config (nothing is loaded)")
+    config_sub = p.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser(
+        "show", help="print CONFIG with overrides applied, every default written out, seed keys translated"
+    )
+    config_args(show)
+    show.add_argument(
+        "--method", choices=["grpo", "sft", "rm", "dpo", "ppo"], help="check it is for this method"
+    )
+    show.set_defaults(func=cmd_config_show)
+
     p = sub.add_parser("doctor", help="what this machine and install can run")
     p.set_defaults(func=cmd_doctor)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from tandem.config import ConfigError
-    from tandem.trainer.runtime import setup_logging
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a command line whose overrides and options come in any order: `tandem sample CONFIG
+    --trainer-host HOST key=value` and `tandem grpo key=value CONFIG --flag` both work. Every
+    positional is either the config file (at most one) or a key=value override."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    stray = [x for x in extras if x.startswith("-") or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)} (see `tandem {args.command} --help`)")
+    if hasattr(args, "overrides"):
+        items = ([args.config] if args.config is not None else []) + list(args.overrides) + extras
+        files = [x for x in items if not OVERRIDE.match(x)]
+        if len(files) > 1:
+            parser.error(
+                f"`tandem {args.command}` takes one config file, got {' '.join(files)}; overrides are "
+                "written key=value (e.g. training.learning_rate=1e-5)"
+            )
+        args.config = files[0] if files else None
+        args.overrides = [x for x in items if OVERRIDE.match(x)]
+    return args
 
-    args = build_parser().parse_args(argv)
+
+# errors that are the user's to fix: one line, no traceback (TANDEM_DEBUG=1 shows it)
+USER_ERRORS = (ValueError, ImportError, OSError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tandem.runlog import setup_logging
+
+    args = parse_args(argv)
     setup_logging()
     try:
         rc = args.func(args)
-    except (ConfigError, FileNotFoundError, FileExistsError, OSError) as err:
-        print(f"tandem {args.command}: error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        if os.environ.get("TANDEM_DEBUG"):
+            raise
+        print(f"tandem {args.command}: error: {_one_line(err)}", file=sys.stderr)
         rc = 2
     except KeyboardInterrupt:
         print(f"tandem {args.command}: interrupted", file=sys.stderr)
@@ -356,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.shutdown()
         os._exit(rc)
     return rc
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err) or type(err).__name__
+    return text if isinstance(err, (ValueError, OSError)) else f"{type(err).__name__}: {text}"
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import logging
 import re
 import types
 import typing
@@ -31,13 +32,16 @@ METHODS = ("grpo", "sft", "rm", "dpo", "ppo")
 SCALE_REWARDS = ("group", "batch", "none")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 LR_SCHEDULERS = ("constant", "cosine", "linear")
-MIXED_PRECISIONS = ("no", "bf16", "fp16")
+MIXED_PRECISIONS = ("no", "bf16", "fp16", "auto")
 REPORTERS = ("tensorboard", "wandb")
 DISTRIBUTED_STRATEGIES = ("none", "ddp", "deepspeed", "auto")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 PIPELINE_MODES = ("decoupled", "colocated")
 SYNC_METHODS = ("zmq", "fs")
+
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -207,7 +211,9 @@ class TrainingConfig:
     adam_eps: float = 1e-8
     micro_batch_size: int = 8
     gradient_accumulation_steps: int = 4
-    mixed_precision: str = "no"  # no | bf16 | fp16
+    # no | bf16 | fp16 | auto: bf16 where the device computes it natively (CUDA with bf16, a CPU with
+    # AVX512-BF16/AMX), else fp16 on CUDA, else no; the log and config.yaml say what was chosen
+    mixed_precision: str = "no"
     max_grad_norm: float = 1.0  # 0 = no clipping
     gradient_checkpointing: bool = False
     save_steps: int = 50  # 0 = only the final save
@@ -230,6 +236,10 @@ class TrainingConfig:
     nvme_path: str | None = None  # folder for nvme offload
     deepspeed_config: str | None = None  # a DeepSpeed JSON ("auto" values are filled from this config)
     dist_backend: str = "auto"  # auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
+    # DistributedDataParallel options (strategy ddp), under the names HF TrainingArguments uses
+    ddp_find_unused_parameters: bool = False  # true for models whose forward skips some parameters
+    ddp_bucket_cap_mb: float = 25.0  # gradient all-reduce bucket size
+    ddp_broadcast_buffers: bool = True  # broadcast module buffers from rank 0 at every forward
     # a collective waits this long for a slow rank (rank 0 saving); waiting for samplers never counts
     dist_timeout_s: float = 1800.0
 
@@ -467,18 +477,56 @@ def load_config(
             raise ConfigError(f"config file {path} is not valid YAML; fix the syntax: {e}") from e
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of keys to values at the top level")
+    from tandem.config_aliases import read_seed_keys, read_seed_overrides
+
+    # seed/HF key names (config_aliases.py): the file's first, then the overrides', which win
+    raw, notes = read_seed_keys(raw)
+    overrides, override_notes = read_seed_overrides(list(overrides), apply_overrides(raw, overrides))
+    for note in notes + override_notes:
+        log.info(note)
     merged = apply_overrides(raw, overrides)
     if method is not None:
-        stated = merged.get("method", method)
+        check_method(merged, raw, method, path)
+        merged["method"] = method
+    cfg = config_from_dict(merged)
+    validate(cfg)
+    return cfg
+
+
+# sections only one family of commands reads: a file with them and no `method:` is for that family
+_METHOD_SECTIONS = {
+    "grpo": ("grpo", "sampling", "rewards", "pipeline"),
+    "ppo": ("ppo",),
+    "sft": ("sft",),
+    "rm": ("rm",),
+    "dpo": ("dpo",),
+}
+
+
+def check_method(merged: dict[str, Any], raw: dict[str, Any], method: str, path: Path | None) -> None:
+    """Refuse a config written for another method before anything loads. A file without `method:`
+    says what it is by its sections: `grpo:`/`sampling:`/`rewards:`/`pipeline:` make a GRPO (or PPO)
+    config, `sft:`, `rm:`, `dpo:`, `ppo:` their method's."""
+    stated = merged.get("method")
+    if stated is not None:
         if stated != method:
             raise ConfigError(
                 f"`method` is {stated!r} in this config but the command is `tandem {method}`; "
                 f"run it with `tandem {stated}`, or set method: {method}"
             )
-        merged["method"] = method
-    cfg = config_from_dict(merged)
-    validate(cfg)
-    return cfg
+        return
+    implied = {m for m, sections in _METHOD_SECTIONS.items() if any(s in raw for s in sections)}
+    if "ppo" in implied:
+        implied.discard("grpo")  # PPO configs use GRPO's sampling/rewards/pipeline sections too
+    compatible = {method} | ({"grpo"} if method == "ppo" else set())
+    if len(implied) == 1 and not implied & compatible:
+        (other,) = implied
+        found = [s for s in _METHOD_SECTIONS[other] if s in raw]
+        raise ConfigError(
+            f"{path} has no `method:` key and its sections ({', '.join(found)}) make it a {other} config, "
+            f"but the command is `tandem {method}`; run it with `tandem {other}`, or add `method: {method}` "
+            "to the file if it is meant for this command"
+        )
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
@@ -572,6 +620,7 @@ _BOUNDS: list[tuple[str, Callable[[Any], bool], str]] = [
     ("training.logging_steps", lambda v: v >= 1, ">= 1"),
     ("training.sample_log_steps", lambda v: v >= 0, ">= 0 (0 = never)"),
     ("training.num_threads", lambda v: v >= 0, ">= 0 (0 = torch default)"),
+    ("training.ddp_bucket_cap_mb", lambda v: v > 0, "> 0 (megabytes)"),
     ("training.zero_stage", lambda v: v in (1, 2, 3), "1, 2 or 3"),
     ("model.lora.r", lambda v: v >= 1, ">= 1"),
     ("model.lora.alpha", lambda v: v > 0, "> 0"),

@@ -15,17 +15,6 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def report() -> str:
     import torch
 
@@ -52,8 +41,9 @@ def report() -> str:
             else ""
         )
     )
-    flags = _cpu_flags()
-    fast_bf16 = bool(flags & {"avx512_bf16", "amx_bf16"})
+    from tandem.trainer.runtime import cpu_has_fast_bf16
+
+    fast_bf16 = cpu_has_fast_bf16()
     lines.append(
         f"cpu bf16      {'native (avx512_bf16/amx): sampling.dtype=bfloat16 pays off' if fast_bf16 else 'emulated: keep float32 on this CPU'}"
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -133,9 +134,20 @@ def test_several_updates_per_batch_and_mixed_precision(tiny_model_dir, tmp_path)
 
 
 def test_existing_run_folder_is_not_overwritten(tiny_model_dir, tmp_path):
-    train_grpo(tiny_config(tiny_model_dir, tmp_path, "once", "training.max_steps=1"))
+    """A run with checkpoints is refused unless asked to resume; one without any is moved aside
+    (nothing to continue, nothing deleted) and the new run starts fresh. Both write train.log."""
+    train_grpo(tiny_config(tiny_model_dir, tmp_path, "once", "training.max_steps=1", "training.save_steps=1"))
+    assert "step 1:" in (tmp_path / "once" / "train.log").read_text()
     with pytest.raises(FileExistsError, match="resume_from_checkpoint=latest"):
         train_grpo(tiny_config(tiny_model_dir, tmp_path, "once", "training.max_steps=1"))
+
+    train_grpo(tiny_config(tiny_model_dir, tmp_path, "nockpt", "training.max_steps=1"))
+    shutil.rmtree(tmp_path / "nockpt" / "checkpoints")  # as if it had died before its first save
+    train_grpo(tiny_config(tiny_model_dir, tmp_path, "nockpt", "training.max_steps=1"))
+    (aside,) = tmp_path.glob("nockpt.previous-*")
+    for run in (aside, tmp_path / "nockpt"):
+        assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+        assert (run / "final" / "model.safetensors").is_file()
 
 
 def test_offloaded_reference_gives_the_same_run(tiny_model_dir, tmp_path):

@@ -97,3 +97,48 @@ def test_resume_from_a_wrong_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="checkpoints/step-N"):
         ckpt.resolve_resume(str(tmp_path / "nope"), tmp_path)
     assert ckpt.resolve_resume("latest", tmp_path / "empty") is None
+
+
+def _record(run, *, steps=()):
+    """A run folder as a run leaves it: metrics, samples, and complete checkpoints at `steps`."""
+    (run / "samples").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    for step in steps:
+        (run / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        (run / "checkpoints" / f"step-{step}" / ckpt.STATE_FILE).write_text("{}")
+
+
+@pytest.mark.parametrize("resume", [None, "latest"])
+def test_a_record_without_checkpoints_is_moved_aside_not_deleted(tmp_path, resume):
+    run = tmp_path / "grpo_tiny"
+    _record(run)
+    (run / "checkpoints" / ".tmp-step-10-x").mkdir(parents=True)  # a save killed midway
+    assert ckpt.prepare_run_dir(run, resume) is None
+    assert not run.exists()
+    (aside,) = tmp_path.glob("grpo_tiny.previous-*")
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    # a second aborted start on the same second gets its own folder
+    _record(run)
+    ckpt.prepare_run_dir(run, resume)
+    assert len(list(tmp_path.glob("grpo_tiny.previous-*"))) == 2
+
+
+def test_checkpoints_are_resumed_with_latest_and_refused_without(tmp_path):
+    run = tmp_path / "run"
+    _record(run, steps=(10, 20))
+    assert ckpt.prepare_run_dir(run, "latest") == run / "checkpoints" / "step-20"
+    with pytest.raises(ckpt.RunFolderTaken) as err:
+        ckpt.prepare_run_dir(run, None)
+    # both fixes change the outcome: continue it, or a new name
+    assert "step-20" in str(err.value)
+    assert "training.resume_from_checkpoint=latest" in str(err.value) and "experiment_name=" in str(err.value)
+    assert (run / "metrics.jsonl").exists()
+
+
+def test_a_folder_holding_only_sampler_logs_is_not_a_run(tmp_path):
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "sampler-s0.log").write_text("started\n")
+    assert ckpt.prepare_run_dir(run, "latest") is None
+    assert (run / "logs" / "sampler-s0.log").exists()
+    assert ckpt.prepare_run_dir(tmp_path / "absent", None) is None

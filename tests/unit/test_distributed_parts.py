@@ -177,3 +177,27 @@ def test_launch_builds_torchrun_and_deepspeed_command_lines():
         plan(None, [], cfg, [], ["0"], Nodes())
     with pytest.raises(ConfigError, match="not both"):
         plan(None, [], cfg, ["cpu"], ["cpu", "0"], Nodes())
+
+
+def test_the_ddp_options_reach_distributed_data_parallel():
+    """training.ddp_* (HF's names; the seeds' find_unused_parameters reads as the first) are the
+    options of the DistributedDataParallel the engine builds (a gloo group of one, in a child)."""
+    code = """
+import torch
+from tandem.config import load_config
+from tandem.distributed.engine import TorchEngine
+from tandem.distributed.env import init_distributed, shutdown
+
+cfg = load_config(None, ["training.distributed_strategy=ddp", "training.find_unused_parameters=true",
+                         "training.ddp_bucket_cap_mb=5", "training.ddp_broadcast_buffers=false"])
+env = init_distributed("ddp", "cpu")
+engine = TorchEngine(torch.nn.Linear(4, 4), cfg.training, env, torch.device("cpu"))
+ddp = engine.model
+print(ddp.find_unused_parameters, ddp.bucket_bytes_cap, ddp.broadcast_buffers)
+shutdown(env)
+"""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-3:] == ["True", str(5 * 1024 * 1024), "False"]

@@ -1,8 +1,10 @@
 """The DeepSpeed JSON, generated from the YAML or read from a file and checked against it.
 
-A file may say "auto" for any value the YAML decides (batch sizes, accumulation, clipping,
-precision); tandem fills those in. An explicit value that disagrees with the YAML is an error
-naming both, never a DeepSpeed traceback later. Optimizer and scheduler are tandem's own
+A file may say "auto" wherever HF's DeepSpeed integration fills a value: batch sizes,
+accumulation, clipping, precision, the optimizer's and scheduler's parameters, and the ZeRO bucket
+sizes that depend on the model's hidden size; tandem fills those in. An explicit value that
+disagrees with the YAML is an error naming both, and an "auto" nobody fills is an error naming the
+key, never a DeepSpeed traceback later. Optimizer and scheduler are tandem's own
 (AdamW and the warmup + constant/linear/cosine schedule of `trainer/optim.py`, handed to
 DeepSpeed as client objects) unless the file has its own "optimizer"/"scheduler" section.
 """
@@ -60,7 +62,11 @@ def generated(tc: TrainingConfig, world_size: int, stage: int | None = None) -> 
 
 
 def zero3_init_config(
-    tc: TrainingConfig, world_size: int, dtype: str, num_parameters: Callable[[], int]
+    tc: TrainingConfig,
+    world_size: int,
+    dtype: str,
+    num_parameters: Callable[[], int],
+    hidden_size: int | None = None,
 ) -> dict[str, Any] | None:
     """The config to build a model under deepspeed.zero.Init with, when this run trains with ZeRO-3
     and `training.zero3_init` is on; else None. `num_parameters()` is asked only under `auto`, whose
@@ -73,7 +79,7 @@ def zero3_init_config(
     strategy, stage = strategy_for(size, tc.distributed_strategy, tc.zero_stage)
     if strategy != "deepspeed":
         return None
-    config = resolve(tc, world_size, stage)
+    config = resolve(tc, world_size, stage, hidden_size)
     if int(config["zero_optimization"]["stage"]) != 3:
         return None
     if not (config["bf16"]["enabled"] or config["fp16"]["enabled"]):
@@ -82,11 +88,13 @@ def zero3_init_config(
     return config
 
 
-def resolve(tc: TrainingConfig, world_size: int, stage: int | None = None) -> dict[str, Any]:
+def resolve(
+    tc: TrainingConfig, world_size: int, stage: int | None = None, hidden_size: int | None = None
+) -> dict[str, Any]:
     """The generated config, or the user's file with "auto" filled and every explicit value checked.
 
     A file's `zero_optimization` is its own (stage, offload, buckets); "auto" there takes the
-    YAML's value."""
+    YAML's value, or for the buckets HF's sizes from the model's `hidden_size`."""
     ours = generated(tc, world_size, stage)
     if tc.deepspeed_config is None:
         return ours
@@ -97,7 +105,68 @@ def resolve(tc: TrainingConfig, world_size: int, stage: int | None = None) -> di
         raise ConfigError(f"`training.deepspeed_config`: no file {path}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"`training.deepspeed_config`: {path} is not valid JSON ({e})") from None
-    return _merge(theirs, ours, path)
+    merged = _merge(theirs, ours, path)
+    _fill_optimizer(merged, tc)
+    _fill_buckets(merged, hidden_size, path)
+    left = _autos(merged)
+    if left:
+        raise ConfigError(
+            f'`training.deepspeed_config`: {path} leaves {", ".join(left)} as "auto", which neither tandem '
+            "nor HF's integration fills; give a value there"
+        )
+    return merged
+
+
+def _fill_optimizer(config: dict, tc: TrainingConfig) -> None:
+    """A file's own optimizer / scheduler: their "auto" parameters from the YAML, as HF fills them
+    (tandem's schedules span training.max_steps; warmup starts from 0)."""
+    values = {
+        ("optimizer", "lr"): tc.learning_rate,
+        ("optimizer", "betas"): [tc.adam_beta1, tc.adam_beta2],
+        ("optimizer", "eps"): tc.adam_eps,
+        ("optimizer", "weight_decay"): tc.weight_decay,
+        ("scheduler", "warmup_min_lr"): 0.0,
+        ("scheduler", "warmup_max_lr"): tc.learning_rate,
+        ("scheduler", "warmup_num_steps"): tc.warmup_steps,
+        ("scheduler", "total_num_steps"): tc.max_steps,
+        ("scheduler", "warmup_min_ratio"): 0.0,  # WarmupCosineLR
+        ("scheduler", "cos_min_ratio"): tc.min_lr_ratio,
+    }
+    for (section, key), value in values.items():
+        params = config.get(section, {}).get("params", {})
+        if params.get(key) == "auto":
+            params[key] = value
+    amp = config.get("amp")
+    if isinstance(amp, dict) and amp.get("enabled") == "auto":
+        amp["enabled"] = False  # apex AMP: tandem's fp16 is DeepSpeed's own (fp16.enabled)
+
+
+def _fill_buckets(config: dict, hidden_size: int | None, path: Path) -> None:
+    """HF's sizes: reduce bucket h^2, ZeRO-3 prefetch 0.9 h^2, parameters under 10 h elements stay
+    whole on every rank."""
+    zero = config.get("zero_optimization", {})
+    sizes = {
+        "reduce_bucket_size": lambda h: h * h,
+        "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+        "stage3_param_persistence_threshold": lambda h: 10 * h,
+    }
+    for key, size in sizes.items():
+        if zero.get(key) != "auto":
+            continue
+        if hidden_size is None:
+            raise ConfigError(
+                f'`training.deepspeed_config`: {path} sets zero_optimization.{key} to "auto", which needs '
+                "the model's hidden_size (its config.json has none); give a number"
+            )
+        zero[key] = size(hidden_size)
+
+
+def _autos(node: Any, where: str = "") -> list[str]:
+    if node == "auto":
+        return [where]
+    if isinstance(node, dict):
+        return [x for k, v in node.items() for x in _autos(v, f"{where}.{k}" if where else k)]
+    return []
 
 
 # (DeepSpeed key path, the tandem key that decides it)

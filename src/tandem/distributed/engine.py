@@ -62,7 +62,13 @@ class TorchEngine:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [device.index] if device.type == "cuda" else None
-            self.model = DistributedDataParallel(self.model, device_ids=ids)
+            self.model = DistributedDataParallel(
+                self.model,
+                device_ids=ids,
+                find_unused_parameters=tc.ddp_find_unused_parameters,
+                bucket_cap_mb=tc.ddp_bucket_cap_mb,
+                broadcast_buffers=tc.ddp_broadcast_buffers,
+            )
 
     def accumulate(self, *, last: bool):
         """DDP all-reduces only in the last micro-batch's backward."""
@@ -136,7 +142,7 @@ class DeepSpeedEngine:
         import deepspeed
 
         self.env, self.tc = env, tc
-        config = deepspeed_config.resolve(tc, env.world_size, stage)
+        config = deepspeed_config.resolve(tc, env.world_size, stage, hidden_size(module))
         self.stage = int(config["zero_optimization"]["stage"])
         trained = forward if forward is not None else module
         optimizer = None if "optimizer" in config else build_optimizer(trained, tc)
@@ -201,14 +207,18 @@ class DeepSpeedEngine:
 
 @contextlib.contextmanager
 def partitioned_loading(
-    tc: TrainingConfig, env: DistEnv, dtype: str, num_parameters: Callable[[], int]
+    tc: TrainingConfig,
+    env: DistEnv,
+    dtype: str,
+    num_parameters: Callable[[], int],
+    hidden_size: int | None = None,
 ) -> Iterator[bool]:
     """Under ZeRO-3, `from_pretrained` inside this block builds the model under deepspeed.zero.Init:
     each rank allocates only its shard of every parameter and rank 0 reads the checkpoint, handing
     each layer's values out as it goes, so no rank holds the whole model before DeepSpeed shards it.
     Yields whether it does (see deepspeed_config.zero3_init_config). The load is collective: every
     rank enters the block at once."""
-    config = deepspeed_config.zero3_init_config(tc, env.world_size, dtype, num_parameters)
+    config = deepspeed_config.zero3_init_config(tc, env.world_size, dtype, num_parameters, hidden_size)
     if config is None:
         yield False
         return
@@ -237,13 +247,20 @@ def frozen_forward(module: torch.nn.Module, tc: TrainingConfig, env: DistEnv) ->
         return forward
     import deepspeed
 
-    config = deepspeed_config.resolve(tc, env.world_size, 3)
+    config = deepspeed_config.resolve(tc, env.world_size, 3, hidden_size(module))
     for key in ("optimizer", "scheduler"):
         config.pop(key, None)
     config["zero_optimization"].pop("offload_optimizer", None)
     engine, *_ = deepspeed.initialize(model=forward, config=config)
     engine.eval()  # DeepSpeed's eval() returns None, not the engine
     return engine
+
+
+def hidden_size(module: torch.nn.Module) -> int | None:
+    """The model's hidden size (DeepSpeed's "auto" bucket sizes follow it), None if it has none."""
+    config = getattr(module, "config", None)
+    size = getattr(config, "hidden_size", None)
+    return size if isinstance(size, int) else None
 
 
 def is_partitioned(module: torch.nn.Module) -> bool:

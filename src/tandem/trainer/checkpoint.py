@@ -7,9 +7,12 @@ trainer state (step, policy version, data position), enough for a bit-exact resu
 from __future__ import annotations
 
 import json
+import logging
+import os
 import random
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +23,8 @@ from tandem.distributed.env import DistEnv, barrier, broadcast_json
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
+
+log = logging.getLogger(__name__)
 
 
 def python_rng_state() -> list:
@@ -107,6 +112,57 @@ def resolve_resume(spec: str | None, checkpoints_dir: Path) -> Path | None:
             "give a checkpoints/step-N folder or `latest`"
         )
     return path
+
+
+# what a run leaves in its folder (README: "What a run leaves behind"); logs/ alone is not a run:
+# the launcher makes it for the samplers' output before the trainer starts
+RECORD_NAMES = ("metrics.jsonl", "config.yaml", "checkpoints", "final", "samples", "samplers", "plots")
+
+
+class RunFolderTaken(FileExistsError):
+    """The run folder holds checkpoints and the config did not ask to resume them."""
+
+
+def prepare_run_dir(run_dir: Path, resume: str | None) -> Path | None:
+    """Decide what a run folder becomes at start-up (the launcher or rank 0, before anything loads);
+    returns the checkpoint to resume, or None for a fresh start.
+
+    - `resume` a path: that checkpoint. `latest` with a complete checkpoint: the newest one.
+    - checkpoints present but `resume` unset: refused, naming the two fixes (continue or rename).
+    - a record without any checkpoint to resume (an aborted start, a run with save_steps=0, or
+      `latest` on a folder that never reached its first save): nothing in it can be continued, so
+      the folder is moved aside to RUN.previous-<time> (nothing is deleted) and the run starts fresh.
+    """
+    if resume is not None and resume != "latest":
+        return resolve_resume(resume, run_dir / "checkpoints")
+    found = list_checkpoints(run_dir / "checkpoints")
+    if found and resume == "latest":
+        return found[-1][1]
+    if found:
+        step, newest = found[-1]
+        raise RunFolderTaken(
+            f"{run_dir} already holds a run with checkpoints up to {newest.name}: continue it with "
+            f"training.resume_from_checkpoint=latest, or start a new run with experiment_name=<new name>"
+        )
+    if any((run_dir / name).exists() for name in RECORD_NAMES):
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside, n = run_dir.with_name(f"{run_dir.name}.previous-{stamp}"), 1
+        while aside.exists():
+            n += 1
+            aside = run_dir.with_name(f"{run_dir.name}.previous-{stamp}-{n}")
+        os.replace(run_dir, aside)
+        log.warning(
+            "%s held a run with no checkpoint to resume (an interrupted start?); moved it to %s and "
+            "starting afresh",
+            run_dir,
+            aside,
+        )
+    return None
+
+
+def checkpoint_step(path: Path) -> int:
+    """The optimizer step a checkpoint was written at."""
+    return int(json.loads((path / STATE_FILE).read_text())["step"])
 
 
 def load_model_weights(folder: Path, model) -> None:

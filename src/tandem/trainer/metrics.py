@@ -7,6 +7,7 @@ for other tools (jq, pandas' strict readers, browsers). Readers should treat `nu
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from tandem.atomic import atomic_write_text
+from tandem.runlog import STEP_LOGGER  # runlog.attach_run_log sends it to train.log only
 
 REQUIRED_FIELDS: tuple[str, ...] = (
     "step",
@@ -90,6 +92,44 @@ def write_samples(run_dir: Path, step: int, rows: list[dict]) -> Path:
     return path
 
 
+_STEP_LINE_FIELDS = (
+    "loss",
+    "reward_mean",
+    "answer_accuracy",
+    "format_accuracy",
+    "kl",
+    "accuracy",
+    "eval_loss",
+    "grad_norm",
+    "lr",
+    "step_seconds",
+    "wait_seconds",
+    "peak_rss_gb",
+    "gpu_memory_peak_gb",
+)
+
+
+def _step_line(row: dict) -> str:
+    shown = [f"{k}={row[k]:.4g}" for k in _STEP_LINE_FIELDS if isinstance(row.get(k), (int, float))]
+    return f"step {row['step']}: " + " ".join(shown)
+
+
+def gpu_memory() -> dict[str, float]:
+    """This process's CUDA memory, as the seeds log it: allocated and reserved now, and the peak
+    since the previous row (the peak counter is reset after each read). Empty off CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    gb = 1e9
+    out = {
+        "gpu_memory_allocated_gb": torch.cuda.memory_allocated() / gb,
+        "gpu_memory_reserved_gb": torch.cuda.memory_reserved() / gb,
+        "gpu_memory_peak_gb": torch.cuda.max_memory_allocated() / gb,
+    }
+    torch.cuda.reset_peak_memory_stats()
+    return out
+
+
 class MetricsLogger:
     """Appends one row per optimizer step to `run_dir/metrics.jsonl`, mirrored to TensorBoard/W&B if asked.
 
@@ -159,8 +199,9 @@ class MetricsLogger:
         missing = [k for k in self.required if k not in row]
         if missing:
             raise KeyError(f"metrics row is missing required fields {missing}")
-        safe = to_json_safe(row)
+        safe = to_json_safe({**row, **gpu_memory()})
         step = int(safe["step"])
+        logging.getLogger(STEP_LOGGER).info(_step_line(safe))
         self._file.write(json.dumps(safe, allow_nan=False) + "\n")
         self._file.flush()
         if self._tb_writer is not None:

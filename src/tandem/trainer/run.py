@@ -18,10 +18,17 @@ from tandem.distributed.engine import is_partitioned, partitioned_loading
 from tandem.distributed.env import DistEnv, barrier, broadcast_json, init_distributed, main_first, shutdown
 from tandem.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
 from tandem.models.lora import apply_lora, is_lora
+from tandem.runlog import attach_run_log
 from tandem.sampler.rollout import model_kwargs
 from tandem.trainer import checkpoint as ckpt
 from tandem.trainer.metrics import SUPERVISED_FIELDS, MetricsLogger
-from tandem.trainer.runtime import resolve_device, set_seed, set_threads, trim_memory_in_training
+from tandem.trainer.runtime import (
+    resolve_device,
+    resolve_mixed_precision,
+    set_seed,
+    set_threads,
+    trim_memory_in_training,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,9 @@ def run_distributed(cfg: Config, train: Callable[[Config, DistEnv, torch.device]
     env = init_distributed(tc.distributed_strategy, device.type, tc.dist_backend, tc.dist_timeout_s)
     if device.type == "cuda" and env.active:
         device = torch.device("cuda", env.local_rank)
+    tc.mixed_precision, why = resolve_mixed_precision(tc.mixed_precision, device)
+    if why != "as configured" and env.is_main:
+        log.info("training.mixed_precision auto -> %s: %s", tc.mixed_precision, why)
     try:
         final = train(cfg, env, device)
     except BaseException:
@@ -46,26 +56,43 @@ def run_distributed(cfg: Config, train: Callable[[Config, DistEnv, torch.device]
 
 
 def open_run(cfg: Config, env: DistEnv) -> Path | None:
-    """Rank 0 creates the run folder and writes config.yaml, or finds the checkpoint to resume;
-    every rank returns that checkpoint (None for a fresh run). A folder that already holds a run
-    is refused unless training.resume_from_checkpoint says to continue it."""
+    """Rank 0 prepares the run folder (checkpoint.prepare_run_dir: resume, refuse, or move an
+    unfinished record aside) and writes config.yaml; every rank returns the checkpoint to resume
+    (None for a fresh run)."""
     run_dir = cfg.run_dir
     start = None
     if env.is_main:
-        resume = ckpt.resolve_resume(cfg.training.resume_from_checkpoint, run_dir / "checkpoints")
-        if resume is None and (run_dir / "metrics.jsonl").exists():
-            start = {
-                "error": f"{run_dir} already holds a run: set training.resume_from_checkpoint=latest to "
-                "continue it, or choose another experiment_name"
-            }
+        try:
+            resume = ckpt.prepare_run_dir(run_dir, cfg.training.resume_from_checkpoint)
+        except (ckpt.RunFolderTaken, FileNotFoundError) as err:
+            start = {"error": str(err)}
         else:
             start = {"resume": str(resume) if resume else None}
             run_dir.mkdir(parents=True, exist_ok=True)
+            attach_run_log(run_dir)
             dump_config(cfg, run_dir / "config.yaml")
+            _say_where_it_starts(cfg, resume)
     start = broadcast_json(env, start)
     if "error" in start:
         raise FileExistsError(start["error"])
     return Path(start["resume"]) if start["resume"] else None
+
+
+def _say_where_it_starts(cfg: Config, resume: Path | None) -> None:
+    if resume is None:
+        log.info("starting %s in %s", cfg.method, cfg.run_dir)
+        return
+    step = ckpt.checkpoint_step(resume)
+    if step >= cfg.training.max_steps:
+        log.info(
+            "%s already finished (step %d of training.max_steps=%d): nothing to train; the final "
+            "model is written again. Raise training.max_steps to continue it",
+            cfg.run_dir,
+            step,
+            cfg.training.max_steps,
+        )
+    else:
+        log.info("resuming %s from %s (step %d of %d)", cfg.run_dir, resume, step, cfg.training.max_steps)
 
 
 def load_policy(cfg: Config, env: DistEnv, device: torch.device, loader: Callable = load_causal_lm):
@@ -98,7 +125,8 @@ def load_model(cfg: Config, env: DistEnv, device: torch.device, spec: str, loade
         # full: zero.Init cannot read a GGUF); the sharded load below reads that folder
         path = resolve_model_path(spec)
     num_parameters = functools.partial(count_parameters, path, trust_remote_code=cfg.model.trust_remote_code)
-    with partitioned_loading(cfg.training, env, cfg.model.dtype, num_parameters) as partitioned:
+    hidden = _hidden_size(path, cfg) if cfg.training.deepspeed_config else None  # its "auto" buckets
+    with partitioned_loading(cfg.training, env, cfg.model.dtype, num_parameters, hidden) as partitioned:
         in_turn = contextlib.nullcontext() if partitioned else main_first(env)
         with in_turn:  # sharded: the shards stay where zero.Init put them (device None)
             on = None if partitioned else device
@@ -109,6 +137,14 @@ def load_model(cfg: Config, env: DistEnv, device: torch.device, spec: str, loade
     elif partitioned and env.is_main:
         log.info("%s loaded under deepspeed.zero.Init: each rank holds 1/%d of it", spec, env.world_size)
     return model
+
+
+def _hidden_size(path: str, cfg: Config) -> int | None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    size = getattr(config, "hidden_size", None)
+    return size if isinstance(size, int) else None
 
 
 def full_batches_per_epoch(num_items: int, batch_size: int, env: DistEnv, what: str) -> int:
