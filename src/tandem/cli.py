@@ -65,6 +65,15 @@ def _finished(cfg) -> None:
     print(f"final {what}: {final}\nrun record:   {cfg.run_dir}\nplots:        tandem plot {cfg.run_dir}")
 
 
+def _preflight(cfg, command: str) -> None:
+    """Everything the config names on this machine, checked before any model loads (preflight.py).
+    The hub is asked once per run: by the command the user typed, not again by each child or rank."""
+    from tandem.preflight import check_run
+
+    first = not os.environ.get(LAUNCHED_ENV) and os.environ.get("RANK", "0") == "0"
+    check_run(cfg, command, probe=first)
+
+
 def _prepare_run_dir(cfg) -> None:
     """Settle the run folder before any child starts (resume, refuse, or move an unfinished
     record aside): the samplers' logs go into it, and a refusal must come before anything loads."""
@@ -93,6 +102,7 @@ def cmd_grpo(args) -> int:
     from tandem.launch import default_devices, launch
 
     cfg = _config(args, method=args.command)
+    _preflight(cfg, args.command)
     if cfg.pipeline.mode == "colocated":
         _trainer_loop(cfg.method)(cfg)
         rc = 0
@@ -114,6 +124,7 @@ def cmd_train(args) -> int:
         extra.append(f"training.device={device}")
     cfg = _config(args, *extra)
     _require_method(cfg, "train", ("grpo", "ppo"))
+    _preflight(cfg, "train")
     _trainer_loop(cfg.method)(cfg)
     _finished(cfg)
     return 0
@@ -138,6 +149,7 @@ def cmd_method(args) -> int:
 
     extra = [f"rm.task={args.task}"] if getattr(args, "task", None) else []
     cfg = _config(args, *extra, method=args.command)
+    _preflight(cfg, args.command)
     module = importlib.import_module(f"tandem.trainer.{args.command}")
     getattr(module, f"train_{args.command}")(cfg)
     _finished(cfg)
@@ -149,7 +161,12 @@ def cmd_sample(args) -> int:
 
     cfg = _config(args, *_port_overrides(args))
     _require_method(cfg, "sample", ("grpo", "ppo"))
+    _preflight(cfg, "sample")
     device = args.device or (f"cuda:{args.gpu_id}" if args.gpu_id is not None else "auto")
+    if device != "auto":
+        from tandem.preflight import check_device
+
+        check_device(device, "--device")
     try:
         run_sampler(cfg, sampler_id=args.sampler_id, device=device)
     except TrainerGone as err:
@@ -159,11 +176,32 @@ def cmd_sample(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from tandem.launch import Nodes, launch, parse_devices
+    from tandem.launch import Nodes, default_devices, launch, parse_devices
 
     cfg = _config(args)
-    sampling = parse_devices(args.sampling_devices, "--sampling-devices")
-    training = parse_devices(args.training_devices, "--training-devices")
+    # unset flags place the processes as `tandem grpo` does: by training.device and the GPUs here
+    # (a config that says cuda is never quietly run on the CPU)
+    if args.sampling_devices is None or args.training_devices is None:
+        default_sampling, default_training = default_devices(cfg)
+    sampling = (
+        parse_devices(args.sampling_devices, "--sampling-devices")
+        if args.sampling_devices is not None
+        else default_sampling
+    )
+    training = (
+        parse_devices(args.training_devices, "--training-devices")
+        if args.training_devices is not None
+        else default_training
+    )
+    if cfg.training.device.startswith("cuda") and "cpu" in training:
+        from tandem.config import ConfigError
+
+        raise ConfigError(
+            f"`training.device` is {cfg.training.device} but --training-devices puts the trainer on the "
+            "CPU; give GPU ids (e.g. --training-devices 1), or set training.device=cpu"
+        )
+    # a node without samplers checks only the trainer's side (no prompts, no reward functions)
+    _preflight(cfg, "launch" if sampling or cfg.method in ("sft", "rm", "dpo") else "train")
     nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.launcher)
     if nodes.node_rank == 0:  # the other nodes share node 0's output_dir, or keep none
         _prepare_run_dir(cfg)
@@ -192,12 +230,10 @@ def cmd_check_comm(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from tandem.trainer.evaluate import evaluate, prompt_settings
+    from tandem.trainer.evaluate import evaluate
 
-    prompt = prompt_settings(args.model, args.config)
-    for key in prompt:  # explicit flags win over the run's config
-        if getattr(args, key, None) is not None:
-            prompt[key] = getattr(args, key)
+    # settings left unset come from the model's run (its config.yaml, or --config), else the
+    # defaults; evaluate() logs where each came from and records it in the summary
     result = evaluate(
         model=args.model,
         dataset=args.dataset,
@@ -209,7 +245,12 @@ def cmd_eval(args) -> int:
         dtype=args.dtype,
         seed=args.seed,
         device=args.device,
-        **prompt,
+        config=args.config,
+        difficulty=args.difficulty,
+        system_prompt=args.system_prompt,
+        num_shots=args.num_shots,
+        prefill=args.prefill,
+        max_new_tokens=args.max_new_tokens,
     )
     summary = {k: v for k, v in result.items() if k != "rows"}
     print(json.dumps(summary, indent=1))
@@ -321,12 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("launch", help="start the trainer and samplers of one run on given devices")
     config_args(p)
     p.add_argument(
-        "--sampling-devices", default="cpu", help="one sampler per entry: cpu or GPU ids, e.g. 0 or 0,1"
+        "--sampling-devices",
+        help="one sampler per entry: cpu or GPU ids, e.g. 0 or 0,1; none: no sampler on this node "
+        "(default: as `tandem grpo` places them, by training.device and the GPUs present)",
     )
     p.add_argument(
         "--training-devices",
-        default="cpu",
-        help="one trainer rank per entry: cpu, cpu,cpu or GPU ids, e.g. 1 or 1,2,3 (several: torchrun/DeepSpeed)",
+        help="one trainer rank per entry: cpu, cpu,cpu or GPU ids, e.g. 1 or 1,2,3 (several: "
+        "torchrun/DeepSpeed; default: as `tandem grpo` places it)",
     )
     p.add_argument(
         "--launcher", default="torchrun", choices=["torchrun", "deepspeed"], help="starts the ranks"

@@ -16,18 +16,23 @@ the samplers send their groups (`pipeline.trainer_host`). A config whose
 `sampling.num_threads` / `training.num_threads` say otherwise. The trainer keeps this terminal;
 the samplers write to `<run_dir>/logs/sampler-<id>.log`. Ctrl-C (SIGINT) and SIGTERM are
 forwarded to every child; when one child fails, the others are stopped and the launcher says
-which one failed and shows the end of its log.
+which one failed and shows the end of its log. Children die with the launcher, however it dies
+(even by SIGKILL): on Linux each gets SIGTERM when the launcher is gone (prctl PR_SET_PDEATHSIG),
+which torchrun passes on to its ranks; the deepspeed launcher does not, so its process group is
+kept by `keep_group`, which takes all of it down.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +41,8 @@ from tandem.config import Config, ConfigError
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 30.0  # after the trainer finished, or after Ctrl-C, before children are killed
+KEEP_GRACE_S = 10  # keep_group: after SIGTERM, before what is left of the group is killed
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass
@@ -81,6 +88,11 @@ def default_devices(cfg: Config) -> tuple[list[str], list[str]]:
     import torch
 
     gpus = torch.cuda.device_count()
+    if gpus == 0 and cfg.training.device.startswith("cuda"):  # never train on the CPU unasked
+        raise ConfigError(
+            f"`training.device` is {cfg.training.device} but torch sees no CUDA device (torch "
+            f"{torch.__version__}); set training.device=cpu, or install a CUDA build of torch"
+        )
     if gpus == 0:
         return ["cpu"] * n, ["cpu"]
     if gpus == 1:
@@ -161,6 +173,8 @@ def plan(
             child.env["CUDA_VISIBLE_DEVICES"] = dev
             child.cmd += ["--device", "cuda:0"]
         children.append(child)
+    for child in children:
+        child.env["TANDEM_LAUNCHED"] = "1"  # the launcher prints the run summary, not each child
     return children
 
 
@@ -186,6 +200,74 @@ def distributed_launch(nodes: Nodes, ranks: int) -> list[str]:
     ]
 
 
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` that has the child sent `sig` when this process (strictly: the thread that
+    starts it) dies, however it dies; None where prctl is missing (not Linux): there a child
+    outlives a launcher killed by SIGKILL.
+
+    SIGTERM, not SIGKILL: torchrun stops its ranks on SIGTERM, while a SIGKILL would leave them
+    running (they sit in sessions of their own)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(sig), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+        if os.getppid() != parent:  # the launcher died before prctl: nobody will send `sig` now
+            os._exit(1)
+
+    return preexec
+
+
+def keep_group(cmd: list[str]) -> int:
+    """Run `cmd` in this process group and exit as it does; on SIGTERM (the launcher's death
+    signal, `die_with_parent`), terminate the whole group and kill what is left of it after
+    KEEP_GRACE_S seconds. For a command that does not pass SIGTERM on to its own children: the
+    deepspeed launcher leaves its ranks running. `python -m tandem.launch --keep-group CMD...`"""
+    terminating = False
+
+    def terminate(signum, frame) -> None:
+        nonlocal terminating
+        terminating = True
+        # a handler, not SIG_IGN (which `cmd` would inherit): the killpg reaches this process too
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        signal.signal(signal.SIGALRM, lambda signum, frame: os.killpg(0, signal.SIGKILL))
+        signal.alarm(KEEP_GRACE_S)
+        os.killpg(0, signal.SIGTERM)
+
+    # Ctrl-C and the launcher's SIGINT reach the whole group already: `cmd` handles them
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    signal.signal(signal.SIGTERM, terminate)
+    child = subprocess.Popen(cmd)
+    if terminating:  # told to stop while `cmd` was starting
+        os.killpg(0, signal.SIGTERM)
+    rc = child.wait()
+    if terminating:  # the rest of the group got SIGTERM too: wait for it (the alarm ends this)
+        while _others_in_group():
+            time.sleep(0.1)
+    if rc < 0:  # die of the same signal, so that the launcher reports it as it is
+        signal.signal(-rc, signal.SIG_DFL)
+        os.kill(os.getpid(), -rc)
+    return rc
+
+
+def _others_in_group() -> bool:
+    import psutil
+
+    group, me = os.getpgid(0), os.getpid()
+    for proc in psutil.process_iter(["pid", "status"]):
+        if proc.info["pid"] == me or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        with contextlib.suppress(OSError):
+            if os.getpgid(proc.info["pid"]) == group:
+                return True
+    return False
+
+
 class Launcher:
     def __init__(self, children: list[Child]) -> None:
         self.children = children
@@ -198,13 +280,18 @@ class Launcher:
             if child.log_path is not None:
                 child.log_path.parent.mkdir(parents=True, exist_ok=True)
                 out = child.log_path.open("ab")
-            # a session of its own: the launcher alone decides when a child gets a signal
+            cmd = child.cmd
+            if cmd[1:3] == ["-m", "deepspeed.launcher.runner"]:  # it leaves its ranks behind on SIGTERM
+                cmd = [sys.executable, "-m", "tandem.launch", "--keep-group", *cmd]
+            # a session of its own: the launcher alone decides when a child gets a signal, and
+            # SIGTERM when the launcher is gone (called from this thread: its exit is what counts)
             child.proc = subprocess.Popen(
-                child.cmd,
+                cmd,
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,
                 start_new_session=True,
+                preexec_fn=die_with_parent(),
             )
             if out is not None:
                 out.close()
@@ -285,3 +372,7 @@ def launch(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--keep-group"]:
+    sys.exit(keep_group(sys.argv[2:]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 import torch
@@ -10,8 +11,11 @@ import torch
 zmq = pytest.importorskip("zmq")
 
 from tandem.cli import build_parser, main  # noqa: E402
+from tandem.config import CurveConfig  # noqa: E402
+from tandem.transport.auth import keygen  # noqa: E402
 from tandem.transport.channel import GroupReceiver, free_tcp_port  # noqa: E402
 from tandem.transport.check import (  # noqa: E402
+    CheckServer,
     CheckSettings,
     check_connection,
     check_local,
@@ -94,6 +98,35 @@ def test_connect_to_a_live_trainer_sends_no_groups(capsys):
     assert "live trainer" in report["data_skipped"] and "data_num_groups" not in report
     assert report["sync_gb_per_s"] > 0 and report["latency_ms_median"] > 0
     assert "groups   skipped: run live-run is a live trainer" in capsys.readouterr().out
+
+
+def test_connect_with_a_key_the_server_does_not_know_names_the_setting(tmp_path):
+    keygen(tmp_path / "keys", ["trainer", "sampler"])
+    keygen(tmp_path / "stranger", ["sampler"])
+    data_port, sync_port = two_ports()
+    serving = CurveConfig(
+        server_secret_key=str(tmp_path / "keys/trainer.key_secret"),
+        authorized_clients=str(tmp_path / "keys/authorized"),
+    )
+    connecting = CurveConfig(
+        server_public_key=str(tmp_path / "keys/trainer.key"),
+        client_secret_key=str(tmp_path / "stranger/sampler.key_secret"),
+    )
+    server = CheckServer("127.0.0.1", data_port, sync_port, 1, serving)
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        settings = CheckSettings(data_port=data_port, sync_port=sync_port, megabytes=1, curve=connecting)
+        report = check_connection(settings)
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+    assert not report["passed"] and len(report["problems"]) == 1
+    assert "refused this sampler's CURVE key" in report["problems"][0]
+    assert "pipeline.curve.client_secret_key" in report["problems"][0]
+    assert server.num_groups == 0
 
 
 def test_config_fills_what_the_flags_leave_out(tmp_path):

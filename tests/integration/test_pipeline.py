@@ -340,6 +340,11 @@ def test_curve_refuses_a_sampler_without_an_authorised_key(make_run, tmp_path):
     rows = run.rows()
     assert rows[-1]["auth_refused"] > 0
     assert rows[-1]["groups_from_s0"] >= 6 and "groups_from_intruder" not in rows[-1]
+    # both sides say so: the intruder which setting to fix, the trainer whom it refused
+    assert "refused this sampler's CURVE key" in run.log("intruder")
+    assert "tandem check-comm connect --trainer-host 127.0.0.1" in run.log("intruder")
+    assert "does not answer" not in run.log("intruder")
+    assert "refused a CURVE handshake from 127.0.0.1" in run.log("trainer")
     assert not run.sampler_rows("intruder") or all(
         r["groups_sent_total"] == 0 for r in run.sampler_rows("intruder")
     )

@@ -114,7 +114,7 @@ def test_a_record_without_checkpoints_is_moved_aside_not_deleted(tmp_path, resum
     _record(run)
     (run / "checkpoints" / ".tmp-step-10-x").mkdir(parents=True)  # a save killed midway
     assert ckpt.prepare_run_dir(run, resume) is None
-    assert not run.exists()
+    assert list(run.iterdir()) == []
     (aside,) = tmp_path.glob("grpo_tiny.previous-*")
     assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n'
     # a second aborted start on the same second gets its own folder
@@ -142,3 +142,20 @@ def test_a_folder_holding_only_sampler_logs_is_not_a_run(tmp_path):
     assert ckpt.prepare_run_dir(run, "latest") is None
     assert (run / "logs" / "sampler-s0.log").exists()
     assert ckpt.prepare_run_dir(tmp_path / "absent", None) is None
+
+
+def test_a_trainer_leaves_its_running_samplers_files_in_place(tmp_path):
+    """The launcher starts the samplers beside the trainer: by the time the trainer settles the
+    folder they may be writing logs/ and samplers/. Only the old trainer record moves aside."""
+    run = tmp_path / "run"
+    _record(run)
+    (run / "samplers").mkdir()
+    (run / "samplers" / "s0.jsonl").write_text("{}\n")
+    (run / "logs").mkdir()
+    assert ckpt.prepare_run_dir(run, "latest", samplers_running=True) is None
+    (aside,) = tmp_path.glob("run.previous-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "samples"]
+    assert sorted(p.name for p in run.iterdir()) == ["logs", "samplers"]
+    # nothing of the trainer's left: a second start finds nothing to move
+    assert ckpt.prepare_run_dir(run, "latest", samplers_running=True) is None
+    assert len(list(tmp_path.glob("run.previous-*"))) == 1

@@ -57,7 +57,8 @@ def read_hub(
         import datasets
     except ImportError as err:
         raise ValueError(
-            f"loading {name!r} from the hub needs `pip install datasets`; or pass {instead}"
+            f"loading {name!r} from the hub needs the `datasets` package: pip install 'tandem[hub]' "
+            f"(or pip install datasets); or pass {instead}"
         ) from err
     try:
         rows = datasets.load_dataset(name, subset, split=split)

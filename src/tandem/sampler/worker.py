@@ -18,7 +18,9 @@ One loop, one batch of prompts at a time:
    lifts the quota, so the pipeline never deadlocks.
 3. Generate, score and PUSH the groups (blocking on the high-water mark: a slow trainer makes
    this sampler wait, nothing is dropped). A finished trainer ends the loop; a silent one is
-   waited for (and reported), up to `pipeline.trainer_timeout_s` when that is set.
+   waited for (and reported), up to `pipeline.trainer_timeout_s` when that is set. A trainer that
+   refuses this sampler's handshake (CURVE keys that do not match) is reported as such, with the
+   settings to fix, every SILENT_WARN_S seconds until the keys match.
 
 Each sampler appends one JSON line per batch to `<run_dir>/samplers/<sampler_id>.jsonl` and
 keeps its place in the prompt stream in `<sampler_id>.state.json` there, so a restarted sampler
@@ -128,6 +130,8 @@ class Sampler:
         self.sent = 0
         self._silent_since: float | None = None
         self._last_warning = 0.0
+        self._told_refusal: str | None = None  # the handshake problem last reported
+        self._last_refusal_warning = 0.0
 
     # ------------------------------------------------------------------ trainer status
 
@@ -141,7 +145,8 @@ class Sampler:
             return status
         self._silent_since = self._silent_since or now
         silent = now - self._silent_since
-        if now - self._last_warning >= SILENT_WARN_S:
+        refused = self._refused() if status is None else None
+        if refused is None and now - self._last_warning >= SILENT_WARN_S:
             self._last_warning = now
             what = "has published no weights yet" if status is not None else "does not answer"
             log.warning(
@@ -154,12 +159,37 @@ class Sampler:
             )
         limit = self.cfg.pipeline.trainer_timeout_s
         if limit and silent > limit:
+            if refused is not None:
+                raise TrainerGone(f"refused for {silent:.0f} s (pipeline.trainer_timeout_s): {refused}")
             raise TrainerGone(
                 f"no trainer at {self.trainer_where} for {silent:.0f} s (pipeline.trainer_timeout_s)"
             )
         if status is None and newer_than is None:
             time.sleep(min(POLL_S, 0.2))  # zmq timed out already; fs returns at once
         return None
+
+    def _refused(self) -> str | None:
+        """Why the trainer refuses this sampler's handshakes (CURVE keys), or None: said at once,
+        then every SILENT_WARN_S seconds for as long as it lasts."""
+        # both asked: each check also lets its socket try again
+        problems = [self.weights.handshake_problem(), self.sender.handshake_problem()]
+        problem = next(filter(None, problems), None)
+        now = time.monotonic()
+        if problem is not None:
+            p = self.cfg.pipeline
+            problem += (
+                f". `tandem check-comm connect --trainer-host {p.trainer_host} --data-port {p.data_port} "
+                f"--sync-port {p.sync_port}` (with --config CONFIG for the keys) checks both channels"
+            )
+        if problem is None:
+            if self._told_refusal is not None:
+                log.info("sampler %s: the trainer accepts this sampler's handshake now", self.sampler_id)
+            self._told_refusal = None
+            return None
+        if problem != self._told_refusal or now - self._last_refusal_warning >= SILENT_WARN_S:
+            self._told_refusal, self._last_refusal_warning = problem, now
+            log.warning("sampler %s: %s", self.sampler_id, problem)
+        return problem
 
     def wait_for_turn(self) -> TrainerStatus | None:
         """Block until this sampler may generate a batch; None when the trainer has finished."""
@@ -272,6 +302,7 @@ class Sampler:
                 self.sender.send(group, timeout=POLL_S * 5)
                 return True
             except TimeoutError:
+                self._refused()  # the data channel alone may be refused (weights by files)
                 status = self._status()
                 if status is not None and status.finished:
                     return False

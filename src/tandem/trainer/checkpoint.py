@@ -114,24 +114,37 @@ def resolve_resume(spec: str | None, checkpoints_dir: Path) -> Path | None:
     return path
 
 
-# what a run leaves in its folder (README: "What a run leaves behind"); logs/ alone is not a run:
-# the launcher makes it for the samplers' output before the trainer starts
-RECORD_NAMES = ("metrics.jsonl", "config.yaml", "checkpoints", "final", "samples", "samplers", "plots")
+# what the trainer leaves in a run folder (README: "What a run leaves behind"); logs/ and samplers/
+# are the samplers' (a launcher makes logs/ before the trainer starts, samplers write samplers/)
+RECORD_NAMES = (
+    "metrics.jsonl",
+    "config.yaml",
+    "train.log",
+    "checkpoints",
+    "final",
+    "samples",
+    "plots",
+    "tensorboard",
+    "sync_state.json",
+    "weights",
+)
+SAMPLER_NAMES = ("logs", "samplers")
 
 
 class RunFolderTaken(FileExistsError):
     """The run folder holds checkpoints and the config did not ask to resume them."""
 
 
-def prepare_run_dir(run_dir: Path, resume: str | None) -> Path | None:
-    """Decide what a run folder becomes at start-up (the launcher or rank 0, before anything loads);
-    returns the checkpoint to resume, or None for a fresh start.
+def prepare_run_dir(run_dir: Path, resume: str | None, *, samplers_running: bool = False) -> Path | None:
+    """Decide what a run folder becomes at start-up (the launcher, or rank 0 of a trainer, before
+    anything loads); returns the checkpoint to resume, or None for a fresh start.
 
     - `resume` a path: that checkpoint. `latest` with a complete checkpoint: the newest one.
     - checkpoints present but `resume` unset: refused, naming the two fixes (continue or rename).
-    - a record without any checkpoint to resume (an aborted start, a run with save_steps=0, or
-      `latest` on a folder that never reached its first save): nothing in it can be continued, so
-      the folder is moved aside to RUN.previous-<time> (nothing is deleted) and the run starts fresh.
+    - a record without any checkpoint to resume (an aborted start, or `latest` on a folder that
+      never reached its first save): nothing in it can be continued, so it is moved aside to
+      RUN.previous-<time>/ (nothing is deleted) and the run starts fresh. With `samplers_running`
+      (a trainer whose samplers may already write logs/ and samplers/) those two stay in place.
     """
     if resume is not None and resume != "latest":
         return resolve_resume(resume, run_dir / "checkpoints")
@@ -139,7 +152,7 @@ def prepare_run_dir(run_dir: Path, resume: str | None) -> Path | None:
     if found and resume == "latest":
         return found[-1][1]
     if found:
-        step, newest = found[-1]
+        newest = found[-1][1]
         raise RunFolderTaken(
             f"{run_dir} already holds a run with checkpoints up to {newest.name}: continue it with "
             f"training.resume_from_checkpoint=latest, or start a new run with experiment_name=<new name>"
@@ -150,7 +163,11 @@ def prepare_run_dir(run_dir: Path, resume: str | None) -> Path | None:
         while aside.exists():
             n += 1
             aside = run_dir.with_name(f"{run_dir.name}.previous-{stamp}-{n}")
-        os.replace(run_dir, aside)
+        aside.mkdir()
+        keep = SAMPLER_NAMES if samplers_running else ()
+        for entry in sorted(run_dir.iterdir()):
+            if entry.name not in keep:
+                os.replace(entry, aside / entry.name)
         log.warning(
             "%s held a run with no checkpoint to resume (an interrupted start?); moved it to %s and "
             "starting afresh",

@@ -5,19 +5,28 @@ tandem eval --model runs/grpo_tiny/final --dataset synthetic --split test --num-
 
 from __future__ import annotations
 
+import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from tandem.config import DEFAULT_SYSTEM_PROMPT, RewardSpec
+from tandem.config import ConfigError, RewardSpec
 from tandem.data.gsm8k import load_examples
-from tandem.models.loading import load_causal_lm, load_tokenizer
+from tandem.models.loading import check_model_spec, load_causal_lm, load_tokenizer
+from tandem.preflight import check_dataset, check_device
 from tandem.rewards.gsm8k import answer_reward, format_reward
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.rollout import Rollout
 from tandem.trainer.runtime import resolve_device
+
+log = logging.getLogger(__name__)
+
+# the generation settings a run's config decides (data.* and sampling.max_new_tokens)
+SETTINGS = ("system_prompt", "num_shots", "prefill", "difficulty", "max_new_tokens")
 
 
 def resolve_eval_model(spec: str) -> str:
@@ -28,29 +37,56 @@ def resolve_eval_model(spec: str) -> str:
     return spec
 
 
+def run_config_path(model: str, config: str | None = None) -> Path | None:
+    """`config`, else the config.yaml of the run that `model` belongs to (RUN/final or
+    RUN/checkpoints/step-N), else None."""
+    if config:
+        return Path(config)
+    for parent in list(Path(model).parents)[:3]:
+        if (parent / "config.yaml").is_file() and (parent / "metrics.jsonl").is_file():
+            return parent / "config.yaml"
+    return None
+
+
 def prompt_settings(model: str, config: str | None = None) -> dict:
     """The prompt a model was trained with: from `config`, else from the config.yaml of the run
-    that `model` belongs to (RUN/final or RUN/checkpoints/step-N), else the built-in defaults."""
+    that `model` belongs to, else the built-in defaults."""
+    return eval_settings(model, config)[0]
+
+
+def eval_settings(model: str, config: str | None = None, **given) -> tuple[dict, dict[str, str]]:
+    """(settings, where each came from): a value in `given` that is not None wins ("flag"), then
+    the run's config.yaml (or `config`; its path), then the built-in default ("default")."""
     from tandem.config import DataConfig, SamplingConfig, load_config
 
-    path = Path(config) if config else None
+    path = run_config_path(model, config)
     if path is None:
-        for parent in list(Path(model).parents)[:3]:
-            if (parent / "config.yaml").is_file() and (parent / "metrics.jsonl").is_file():
-                path = parent / "config.yaml"
-                break
-    if path is None:
-        data, sampling = DataConfig(), SamplingConfig()
+        data, sampling, origin = DataConfig(), SamplingConfig(), "default"
     else:
         cfg = load_config(path)
-        data, sampling = cfg.data, cfg.sampling
-    return {
+        data, sampling, origin = cfg.data, cfg.sampling, str(path)
+    values = {
         "system_prompt": data.system_prompt,
         "num_shots": data.num_shots,
         "prefill": data.prefill,
         "difficulty": data.difficulty,
         "max_new_tokens": sampling.max_new_tokens,
     }
+    sources = dict.fromkeys(values, origin)
+    for key in SETTINGS:
+        if given.get(key) is not None:
+            values[key], sources[key] = given[key], "flag"
+    return values, sources
+
+
+def describe_settings(values: dict, sources: dict[str, str]) -> str:
+    """One line: `max_new_tokens=256 (runs/x/config.yaml), prefill='<think>' (default), ...`."""
+    parts = []
+    for key in SETTINGS:
+        value = values[key]
+        shown = repr(value if len(str(value)) <= 40 else str(value)[:37] + "...")
+        parts.append(f"{key}={shown} ({sources[key]})")
+    return ", ".join(parts)
 
 
 def evaluate(
@@ -59,44 +95,105 @@ def evaluate(
     dataset: str = "synthetic",
     split: str = "test",
     num_examples: int = 200,
-    difficulty: int = 1,
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
-    num_shots: int = 1,
-    prefill: str = "<think>",
-    max_new_tokens: int = 128,
+    difficulty: int | None = None,
+    system_prompt: str | None = None,
+    num_shots: int | None = None,
+    prefill: str | None = None,
+    max_new_tokens: int | None = None,
     temperature: float = 0.0,
     num_samples: int = 1,
     batch_size: int = 32,
     dtype: str = "float32",
     seed: int = 0,
     device: str = "auto",
+    config: str | None = None,
+    progress: bool = True,
 ) -> dict:
-    """Accuracy summary plus every completion; greedy when temperature == 0."""
+    """Accuracy summary plus every completion; greedy when temperature == 0.
+
+    The generation settings left None come from the run's config.yaml (or `config`), else the
+    defaults; the log and the summary's `settings` say which value came from where. Model, data
+    and device are checked before anything loads (a typo fails at once, never at the hub)."""
     if temperature == 0 and num_samples > 1:
         raise ValueError("--num-samples > 1 needs sampling: set --temperature > 0")
-    torch.manual_seed(seed)
+    check_device(device, "--device")
     spec = resolve_eval_model(model)
+    check_model_spec(spec, "--model")
+    check_dataset(dataset, "--dataset", use="prompts", split=split, split_key="--split")
+    given = dict(
+        system_prompt=system_prompt,
+        num_shots=num_shots,
+        prefill=prefill,
+        difficulty=difficulty,
+        max_new_tokens=max_new_tokens,
+    )
+    settings, sources = eval_settings(model, config, **given)
+    log.info("generation settings: %s", describe_settings(settings, sources))
+    try:
+        examples = load_examples(dataset, split, num_examples, seed, difficulty=settings["difficulty"])
+    except ValueError as err:  # a bad row or an empty file: named, not a traceback
+        raise ConfigError(f"`--dataset` {dataset}: {err}") from None
+
+    torch.manual_seed(seed)
     tokenizer = load_tokenizer(spec)
     policy = load_causal_lm(spec, dtype=dtype, trainable=False, device=resolve_device(device))
-    examples = load_examples(dataset, split, num_examples, seed, difficulty=difficulty)
     rollout = Rollout(
         policy=policy,
         reference=None,
         tokenizer=tokenizer,
         rewards=RewardSet.from_specs([RewardSpec("answer"), RewardSpec("format")]),
-        system_prompt=system_prompt,
-        num_shots=num_shots,
-        prefill=prefill,
+        system_prompt=settings["system_prompt"],
+        num_shots=settings["num_shots"],
+        prefill=settings["prefill"],
         num_generations=num_samples,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=settings["max_new_tokens"],
         temperature=temperature,
         batch_size=batch_size,
         scale_rewards="none",
         generator=torch.Generator().manual_seed(seed),
     )
     start = time.perf_counter()
-    groups = rollout.run(examples, policy_version=0)
+    groups = _generate(rollout, examples, batch_size, num_samples, progress=progress)
     seconds = time.perf_counter() - start
+    rows = _rows(examples, groups, settings["prefill"])
+    return {
+        "model": model,
+        "dataset": dataset,
+        "split": split,
+        "num_examples": len(examples),
+        "num_samples": num_samples,
+        "temperature": temperature,
+        "settings": {key: {"value": settings[key], "from": sources[key]} for key in SETTINGS},
+        "answer_accuracy": statistics.fmean(r["correct"] for r in rows),
+        "format_accuracy": statistics.fmean(r["formatted"] for r in rows),
+        "completion_length_mean": statistics.fmean(r["num_tokens"] for r in rows),
+        "seconds": seconds,
+        "rows": rows,
+    }
+
+
+def _generate(rollout: Rollout, examples: list, batch_size: int, num_samples: int, *, progress: bool) -> list:
+    """The groups of every example, one generation batch at a time under a progress bar (stderr).
+    The batches are the ones generate_groups would make of the whole list, so the completions (and
+    a sampled run's random stream) are the same as in one call."""
+    prompts_per_batch = max(1, batch_size // num_samples)
+    groups = []
+    with tqdm(
+        total=len(examples),
+        desc="eval",
+        unit="question",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=not progress,
+    ) as bar:
+        for start in range(0, len(examples), prompts_per_batch):
+            batch = examples[start : start + prompts_per_batch]
+            groups += rollout.run(batch, policy_version=0)
+            bar.update(len(batch))
+    return groups
+
+
+def _rows(examples: list, groups: list, prefill: str) -> list[dict]:
     rows = []
     for example, group in zip(examples, groups):
         for c in group.completions:
@@ -112,16 +209,4 @@ def evaluate(
                     "num_tokens": len(c.generated_token_ids),
                 }
             )
-    return {
-        "model": model,
-        "dataset": dataset,
-        "split": split,
-        "num_examples": len(examples),
-        "num_samples": num_samples,
-        "temperature": temperature,
-        "answer_accuracy": statistics.fmean(r["correct"] for r in rows),
-        "format_accuracy": statistics.fmean(r["formatted"] for r in rows),
-        "completion_length_mean": statistics.fmean(r["num_tokens"] for r in rows),
-        "seconds": seconds,
-        "rows": rows,
-    }
+    return rows

@@ -137,10 +137,13 @@ class RemoteExperience:
             rcvhwm=p.recv_hwm,
             context=self.context,
             curve=p.curve,
+            auth=self.auth,
         )
         if p.sync_method == "zmq":
             address = f"tcp://{p.bind_host}:{p.sync_port}"
-            self.publisher = WeightServer(address, run_id=self.run_id, context=self.context, curve=p.curve)
+            self.publisher = WeightServer(
+                address, run_id=self.run_id, context=self.context, curve=p.curve, auth=self.auth
+            )
         else:
             root = Path(p.sync_dir) if p.sync_dir else run_dir / "weights"
             self.publisher = FsWeightWriter(root, run_id=self.run_id, keep=p.sync_keep_versions)
@@ -256,9 +259,11 @@ class RemoteExperience:
 
     def _no_data_message(self, seconds: float, have: int, need: int) -> str:
         p = self.cfg.pipeline
+        refused = self.auth.summary() if self.auth is not None else None
+        refused = f"{refused}. Or: " if refused is not None else ""  # the likelier reason: first
         return (
-            f"no group has arrived for {seconds:.0f} s ({have} of the {need} this step needs): is a sampler "
-            f"running and pointed here? start one with `tandem sample CONFIG --trainer-host <this host> "
+            f"no group has arrived for {seconds:.0f} s ({have} of the {need} this step needs): {refused}is a "
+            f"sampler running and pointed here? start one with `tandem sample CONFIG --trainer-host <this host> "
             f"--data-port {p.data_port} --sync-port {p.sync_port}`"
         )
 

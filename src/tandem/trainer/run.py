@@ -63,7 +63,12 @@ def open_run(cfg: Config, env: DistEnv) -> Path | None:
     start = None
     if env.is_main:
         try:
-            resume = ckpt.prepare_run_dir(run_dir, cfg.training.resume_from_checkpoint)
+            # a decoupled trainer's samplers may be writing logs/ and samplers/ already
+            resume = ckpt.prepare_run_dir(
+                run_dir,
+                cfg.training.resume_from_checkpoint,
+                samplers_running=cfg.method in ("grpo", "ppo") and cfg.pipeline.mode == "decoupled",
+            )
         except (ckpt.RunFolderTaken, FileNotFoundError) as err:
             start = {"error": str(err)}
         else:

@@ -15,12 +15,13 @@ from collections import Counter
 import zmq
 
 from tandem.config import CurveConfig
-from tandem.transport.auth import configure_client, configure_server
+from tandem.transport.auth import CountingAuthenticator, HandshakeWatch, configure_client, configure_server
 from tandem.transport.wire import MAX_MESSAGE_BYTES, WireError, decode_group, encode_group
 from tandem.types import Group
 
 DEFAULT_DATA_PORT = 5555
 WARN_INTERVAL_S = 5.0  # at most one warning per drop reason in this many seconds
+POLL_SLICE_S = 0.25  # a blocked sender looks at its handshakes this often
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class GroupSender:
     - A group in flight when the trainer dies is lost. That is harmless: the sampler keeps
       producing, every group records its `policy_version`, and the trainer's staleness filter
       drops groups that are too old once it is back (DESIGN.md section 4).
+    - A trainer that refuses this sampler's handshake (CURVE keys that do not match) receives
+      nothing: `send` blocks (or times out) and `handshake_problem()` says why; the sender tries
+      again every second until the keys match.
     - `close()` waits at most `linger` seconds for queued groups to leave, then discards them.
     - Array frames are sent zero-copy: do not modify a group's log-prob tensors after `send`.
     - Like every ZeroMQ socket, a sender belongs to one thread.
@@ -74,11 +78,13 @@ class GroupSender:
         self._socket = self._context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, sndhwm)
         self._socket.setsockopt(zmq.LINGER, int(linger * 1000))
+        self._handshakes: HandshakeWatch | None = None
         try:
             configure_client(self._socket, curve or CurveConfig())
         except Exception:
             self.close()
             raise
+        self._handshakes = HandshakeWatch(self._socket, address, curve or CurveConfig())
         try:
             self._socket.connect(address)
         except zmq.ZMQError as err:
@@ -98,7 +104,13 @@ class GroupSender:
         frames = encode_group(group)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if self._socket.poll(_remaining_ms(deadline), zmq.POLLOUT):
+            refused = self._handshakes.check() is not None  # (and reconnects after a refusal)
+            wait_ms = int(POLL_SLICE_S * 1000)
+            if deadline is not None:
+                wait_ms = min(wait_ms, _remaining_ms(deadline))
+            if refused:  # a group queued now would be lost with the refused connection: hold it
+                self._handshakes.wait(wait_ms)
+            elif self._socket.poll(wait_ms, zmq.POLLOUT):
                 try:
                     # a multipart message is atomic: once the first frame is queued, all are
                     self._socket.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
@@ -106,15 +118,24 @@ class GroupSender:
                 except zmq.Again:
                     pass
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"group {group.group_id} not queued to {self.address} within {timeout}s: "
+                why = self.handshake_problem() or (
                     f"the trainer is not receiving (high-water mark of {self.sndhwm} group(s) reached)"
                 )
+                raise TimeoutError(
+                    f"group {group.group_id} not queued to {self.address} within {timeout}s: {why}"
+                )
+
+    def handshake_problem(self) -> str | None:
+        """Why the trainer refuses this sender's handshakes (CURVE keys, see auth.HandshakeWatch);
+        None while they succeed."""
+        return self._handshakes.check()
 
     def close(self) -> None:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if self._handshakes is not None:
+            self._handshakes.close()
         self._socket.close()
         if self._own_context:
             self._context.term()  # waits up to `linger` for queued groups to be delivered
@@ -133,7 +154,8 @@ class GroupReceiver:
     which also drops that peer's connection; anything else that fails `decode_group` is dropped,
     logged and counted in `dropped` by reason ("bad_header", "schema", "size", "frames",
     "invalid"). `received` counts accepted groups per sampler_id. `recv` never raises on bad
-    input. At most `rcvhwm` groups per connected sampler wait here before senders block.
+    input. At most `rcvhwm` groups per connected sampler wait here before senders block. With
+    CURVE, `auth` (the context's `CountingAuthenticator`) counts the handshakes it refuses.
     """
 
     def __init__(
@@ -144,6 +166,7 @@ class GroupReceiver:
         rcvhwm: int = 8,
         context: zmq.Context | None = None,
         curve: CurveConfig | None = None,
+        auth: CountingAuthenticator | None = None,
     ):
         if rcvhwm < 1:
             raise ValueError(f"rcvhwm must be >= 1 (0 would mean an unbounded queue), got {rcvhwm}")
@@ -158,7 +181,7 @@ class GroupReceiver:
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         self._socket.setsockopt(zmq.LINGER, 0)
         try:
-            configure_server(self._socket, curve or CurveConfig())
+            configure_server(self._socket, curve or CurveConfig(), auth)
         except Exception:
             self.close()
             raise

@@ -128,14 +128,14 @@ class CheckServer:
         try:
             self._auth = start_server_auth(self._context, curve)
             self._receiver = _bind(
-                lambda: GroupReceiver(self.data_address, context=self._context, curve=curve),
+                lambda: GroupReceiver(self.data_address, context=self._context, curve=curve, auth=self._auth),
                 "groups",
                 self.data_address,
                 data_port,
             )
             self._weights = _bind(
                 lambda: WeightServer(
-                    self.sync_address, run_id=self.run_id, context=self._context, curve=curve
+                    self.sync_address, run_id=self.run_id, context=self._context, curve=curve, auth=self._auth
                 ),
                 "weights",
                 self.sync_address,
@@ -354,6 +354,8 @@ def _measure(
 
 def _status_round_trips(client: WeightClient) -> tuple[TrainerStatus, tuple[float, float]]:
     status = client.status(timeout_s=REPLY_TIMEOUT_S)
+    if status is None and client.handshake_problem() is not None:
+        raise _StepFailed(client.handshake_problem())
     if status is None:
         raise _StepFailed(
             f"{client.address} accepts TCP but sent no status within {REPLY_TIMEOUT_S:g} s: it is not a "
@@ -405,8 +407,8 @@ def _send_groups(
         try:
             for group in [*groups, end]:
                 sender.send(group, timeout=DELIVERY_TIMEOUT_S)
-        except TimeoutError as err:
-            raise _StepFailed(f"{err} (with CURVE: is this sampler's key authorised?)") from err
+        except TimeoutError as err:  # its message says why when the trainer refused the handshake
+            raise _StepFailed(str(err)) from err
         after = client.status(newer_than=before.version, run_id=before.run_id, wait_s=DELIVERY_TIMEOUT_S)
         seconds = time.perf_counter() - start
     if after is None or after.run_id != before.run_id or after.version <= before.version:

@@ -42,7 +42,7 @@ import zmq
 
 from tandem.atomic import atomic_dir, atomic_write_text
 from tandem.config import CurveConfig
-from tandem.transport.auth import configure_client, configure_server
+from tandem.transport.auth import CountingAuthenticator, HandshakeWatch, configure_client, configure_server
 from tandem.transport.wire import (
     WEIGHT_DTYPES,
     WireError,
@@ -62,6 +62,7 @@ CHUNK_BYTES = 8 * 2**20  # below glibc's 32 MiB mmap ceiling: received chunks re
 LEASE_S = 10.0  # how long a lent shared snapshot stays untouched (a load takes well under a second)
 ALIGN = 64
 MAX_REQUEST_BYTES = 64 * 2**10
+POLL_SLICE_S = 0.25  # a waiting client looks at its handshakes this often
 _SHARED_FILE = re.compile(r"/proc/\d+/fd/\d+")  # how a trainer lends its (unlinked) snapshot file
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
@@ -286,7 +287,8 @@ class WeightServer:
     A ROUTER bound on the sync port, driven by one background thread. Requests are one-frame
     control messages: `status` (optionally long-polled until a version newer than `newer_than`
     appears) and `fetch` (all chunks of the newest snapshot, sent zero-copy). Malformed requests
-    are dropped and counted in `dropped`; a slow sampler never blocks the trainer.
+    are dropped and counted in `dropped`; a slow sampler never blocks the trainer. With CURVE,
+    `auth` (the context's `CountingAuthenticator`) counts the handshakes it refuses.
     """
 
     def __init__(
@@ -296,6 +298,7 @@ class WeightServer:
         run_id: str,
         context: zmq.Context | None = None,
         curve: CurveConfig | None = None,
+        auth: CountingAuthenticator | None = None,
     ) -> None:
         self._own_context = context is None
         self._context = context or zmq.Context()
@@ -305,7 +308,7 @@ class WeightServer:
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self._router.setsockopt(zmq.LINGER, 0)
         try:
-            configure_server(self._router, curve or CurveConfig())
+            configure_server(self._router, curve or CurveConfig(), auth)
             self._router.bind(address)
         except (zmq.ZMQError, OSError) as err:  # OSError: a missing or unreadable CURVE key file
             self._router.close()
@@ -580,7 +583,9 @@ class WeightClient:
     """Sampler side of the `zmq` method: asks the trainer's `WeightServer` for status and weights.
 
     Every request carries a fresh id and replies with another id are discarded, so a reply that
-    arrives after its request timed out (a trainer that was busy or restarted) is harmless.
+    arrives after its request timed out (a trainer that was busy or restarted) is harmless. A
+    trainer that refuses this client's handshake (CURVE keys that do not match) answers nothing;
+    `handshake_problem()` then says why, and the client tries again until the keys match.
     """
 
     def __init__(
@@ -598,8 +603,10 @@ class WeightClient:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_chunk_bytes + MAX_REQUEST_BYTES)
         self._max_bytes = max_chunk_bytes + MAX_REQUEST_BYTES
+        self._handshakes: HandshakeWatch | None = None
         try:
             configure_client(self._socket, curve or CurveConfig())
+            self._handshakes = HandshakeWatch(self._socket, address, curve or CurveConfig())
             self._socket.connect(address)
         except Exception:
             self.close()
@@ -608,13 +615,38 @@ class WeightClient:
         self._mapped: dict[tuple[int, int], torch.Tensor] = {}  # lent files by (device, inode), oldest first
         self.lease_until: float | None = None
 
-    def _request(self, kind: str, payload: dict) -> str:
+    def handshake_problem(self) -> str | None:
+        """Why the trainer refuses this client's handshakes (see auth.HandshakeWatch); None while
+        they succeed."""
+        return self._handshakes.check()
+
+    def _request(self, kind: str, payload: dict, deadline: float) -> str | None:
+        """Send a request; its id, or None when it could not leave by `deadline` (a refused
+        connection that ZeroMQ dropped leaves a DEALER nowhere to send, until it reconnects)."""
         request = uuid.uuid4().hex
-        self._socket.send_multipart(encode_control(kind, {"request": request, **payload}))
-        return request
+        frames = encode_control(kind, {"request": request, **payload})
+        while True:
+            try:
+                self._socket.send_multipart(frames, flags=zmq.DONTWAIT)
+                return request
+            except zmq.Again:
+                pass
+            if not self._wait(zmq.POLLOUT, deadline):
+                return None
+
+    def _wait(self, event: int, deadline: float) -> bool:
+        """Poll for `event` until `deadline`, reading the handshake events meanwhile."""
+        while True:
+            self._handshakes.check()  # reconnects after a refused handshake
+            remaining = deadline - time.monotonic()
+            if self._socket.poll(max(0, int(min(remaining, POLL_SLICE_S) * 1000)), event):
+                return True
+            # refused: no answer is coming; the caller says why (`handshake_problem`) and asks again
+            if remaining <= POLL_SLICE_S or self._handshakes.problem is not None:
+                return False
 
     def _next_frame(self, deadline: float) -> zmq.Frame | None:
-        if not self._socket.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+        if not self._wait(zmq.POLLIN, deadline):
             return None
         return self._socket.recv(copy=False)
 
@@ -633,9 +665,9 @@ class WeightClient:
         """The trainer's status; with `newer_than`, waits up to `wait_s` for a newer version.
         None when the trainer did not answer within wait_s + timeout_s."""
         payload = {"newer_than": newer_than, "run_id": run_id, "wait_s": wait_s}
-        request = self._request("status", payload)
         deadline = time.monotonic() + wait_s + timeout_s
-        while (frame := self._next_frame(deadline)) is not None:
+        request = self._request("status", payload, deadline)
+        while request is not None and (frame := self._next_frame(deadline)) is not None:
             status = self._status_reply(frame, request)
             if status is not None:
                 return status
@@ -665,11 +697,11 @@ class WeightClient:
         `shared` (a sampler on the trainer's host): ask to be lent the trainer's shared snapshot
         instead of its chunks; the buffer returned then maps the trainer's file, and `lease_held()`
         must still be true once it is loaded (otherwise fetch again without `shared`)."""
-        request = self._request("fetch", {"shared": True} if shared else {})
         deadline = time.monotonic() + timeout_s
+        request = self._request("fetch", {"shared": True} if shared else {}, deadline)
         manifest, received = None, 0
         self.lease_until = None
-        while (frame := self._next_frame(deadline)) is not None:
+        while request is not None and (frame := self._next_frame(deadline)) is not None:
             if not self._socket.getsockopt(zmq.RCVMORE):  # one frame: a status (no weights yet) or a loan
                 kind, payload = self._control_reply(frame, request)
                 if kind == "shared":
@@ -706,7 +738,7 @@ class WeightClient:
     def release(self) -> None:
         """Done with a lent snapshot: the trainer may overwrite its buffer now (no reply)."""
         if self.lease_until is not None:
-            self._request("release", {})
+            self._request("release", {}, time.monotonic() + 1.0)  # if lost, the lease runs out
             self.lease_until = None
 
     def _control_reply(self, frame: zmq.Frame, request: str) -> tuple[str | None, dict]:
@@ -761,6 +793,8 @@ class WeightClient:
             raise WeightSyncError(f"weights v{manifest.version}: chunk {header['index']} fails its checksum")
 
     def close(self) -> None:
+        if self._handshakes is not None:
+            self._handshakes.close()
         self._socket.close()
         if self._own_context:
             self._context.term()
@@ -888,6 +922,9 @@ class FsWeightReader:
                 raise WeightSyncError(f"{path}/weights.bin does not have {manifest.total_bytes} bytes")
         verify_chunks(self._flat, manifest)
         return manifest, self._flat
+
+    def handshake_problem(self) -> str | None:
+        return None  # files: no handshake
 
     def close(self) -> None:
         pass
