@@ -40,12 +40,16 @@ def test_concurrent_resolvers_on_an_empty_cache_convert_once(tmp_path):
     env = {**os.environ, "TANDEM_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RESOLVE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [sys.executable, "-c", RESOLVE],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for _ in range(3)
     ]
     results = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, results):
+    for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err
     paths = {out.strip().splitlines()[-1] for out, _ in results}  # DeepSpeed may print first
     assert paths == {str(models / "SmolLM2-135M-Instruct")}

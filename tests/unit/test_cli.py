@@ -64,7 +64,9 @@ def test_a_stray_option_or_a_second_file_is_refused(capsys):
 def test_train_takes_the_seeds_worker_flags():
     from tandem.cli import _port_overrides, parse_args
 
-    args = parse_args(["train", "configs/grpo_tiny.yaml", "--gpu-id", "1", "--data-port", "6000", "--sync-port", "6001"])
+    args = parse_args(
+        ["train", "configs/grpo_tiny.yaml", "--gpu-id", "1", "--data-port", "6000", "--sync-port", "6001"]
+    )
     assert (args.gpu_id, args.data_port, args.sync_port) == (1, 6000, 6001)
     assert _port_overrides(args) == ["pipeline.data_port=6000", "pipeline.sync_port=6001"]
 
