@@ -17,7 +17,8 @@ synthetic groups through tandem's real engine and reports:
 - theory_gb: the ZeRO paper's accounting for fp32 training, with P parameters and N ranks,
   4P (weights) + 4P (gradients) + 8P (AdamW moments) = 16P bytes, of which ZeRO-1 shards the
   moments, ZeRO-2 the moments and the gradients, ZeRO-3 all three.
-Results go to benchmarks/results/distributed_memory.json.
+Results go to benchmarks/results/runs/distributed_memory-<time>.json (`--update-results`: the tracked
+benchmarks/results/distributed_memory.json).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from results_file import add_out_arguments, results_file  # benchmarks/results_file.py
 
 HERE = Path(__file__).resolve().parent
 STRATEGIES = {
@@ -159,8 +162,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(HERE / "results" / "distributed_memory.json"))
+    add_out_arguments(parser, "distributed_memory")
     args, rest = parser.parse_known_args()
+    args.out = results_file(args, "distributed_memory")
     if args.worker:
         worker(args.worker, args.steps, rest)
         return

@@ -10,7 +10,8 @@ child process so its peak RSS is its own. In the same sitting, a plain `transfor
 (137 tok/s there), so the TRL figures can be compared fairly. With --trl-python (a venv that has
 TRL, see benchmarks/trl_grpo_step.py) TRL's GRPOTrainer runs the same setting right after ours, in
 the same sitting, and the ratios are taken between the two measurements.
-Writes benchmarks/results/grpo_step.json.
+Writes benchmarks/results/runs/grpo_step-<time>.json (`--update-results`: the tracked
+benchmarks/results/grpo_step.json).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from results_file import add_out_arguments, results_file  # benchmarks/results_file.py
 
 HERE = Path(__file__).resolve().parent
 TRL = {
@@ -139,13 +142,14 @@ def main() -> None:
     parser.add_argument(
         "--skip-anchor", action="store_true", help="skip the HF generate machine-speed anchor"
     )
-    parser.add_argument("--out", default=str(HERE / "results" / "grpo_step.json"))
+    add_out_arguments(parser, "grpo_step")
     parser.add_argument("--trl-python", help="python of a venv with TRL: measure TRL side by side")
     parser.add_argument(
         "--trl-bf16", action="store_true", help="TRL with bf16=True (compare with our bf16 run)"
     )
     parser.add_argument("overrides", nargs="*", help="more key=value settings for our run")
     args = parser.parse_args()
+    args.out = results_file(args, "grpo_step")
 
     with tempfile.TemporaryDirectory() as tmp:
         ours = run_ours(args.steps, Path(tmp), args.overrides)

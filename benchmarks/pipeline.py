@@ -7,7 +7,8 @@ Runs the same config twice for `--steps` optimizer steps: once as one process
 process, the cores split between them). Reports the median step time after the first step,
 generated tokens per second of wall time (the fair measure: completion lengths differ a little
 between the runs), the time the trainer waited for groups, and the sampler's own generation speed.
-Writes benchmarks/results/pipeline.json.
+Writes benchmarks/results/runs/pipeline-<time>.json (`--update-results`: the tracked
+benchmarks/results/pipeline.json).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from results_file import add_out_arguments, results_file  # benchmarks/results_file.py
 
 HERE = Path(__file__).resolve().parent
 
@@ -80,9 +83,10 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--config", default=str(HERE.parent / "configs" / "grpo_tiny.yaml"))
-    parser.add_argument("--out", default=str(HERE / "results" / "pipeline.json"))
+    add_out_arguments(parser, "pipeline")
     parser.add_argument("overrides", nargs="*", help="key=value for both runs")
     args = parser.parse_args()
+    args.out = results_file(args, "pipeline")
 
     with tempfile.TemporaryDirectory() as tmp:
         colocated = run(args.config, args.steps, Path(tmp), "colocated", args.overrides)

@@ -13,7 +13,8 @@ generated tokens, float32 old and ref log-probs, ~4 characters of text per token
 (c) the anchors on the same transports: raw PUSH/PULL with 10 MiB zero-copy messages (the machine's
     ceiling), and raw PUSH/PULL of the very frames a group encodes to, with the same high-water marks
     (the socket cost of our message shape, without encode/decode).
-Writes benchmarks/results/transport.json.
+Writes benchmarks/results/runs/transport-<time>.json (`--update-results`: the tracked
+benchmarks/results/transport.json).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from results_file import add_out_arguments, results_file  # benchmarks/results_file.py
 from tandem.transport.channel import GroupReceiver, GroupSender
 from tandem.transport.wire import decode_group, encode_group
 from tandem.types import Completion, Group
@@ -235,8 +237,9 @@ def main() -> None:
     )
     parser.add_argument("--raw-messages", type=int, default=300, help="10 MiB messages per raw anchor run")
     parser.add_argument("--quick", action="store_true", help="short runs, for a smoke test")
-    parser.add_argument("--out", default=str(HERE / "results" / "transport.json"))
+    add_out_arguments(parser, "transport")
     args = parser.parse_args()
+    args.out = results_file(args, "transport")
     if args.quick:
         args.codec_seconds, args.throughput_seconds, args.raw_messages = 0.5, 0.5, 60
 

@@ -25,7 +25,8 @@ Latency is what the sampler sees: from the start of the trainer's snapshot to th
 the sampler's model (both processes read CLOCK_MONOTONIC). Target: <= 0.15 s per sync on one host.
 The split (snapshot, publish, notify, fetch, load) gives each part's own median, so the parts need
 not add up exactly. `--chunk-mib` sets the chunk size.
-Writes benchmarks/results/weight_sync.json.
+Writes benchmarks/results/runs/weight_sync-<time>.json (`--update-results`: the tracked
+benchmarks/results/weight_sync.json).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from results_file import add_out_arguments, results_file  # benchmarks/results_file.py
 from tandem.transport.channel import free_tcp_port
 from tandem.transport.weights import (
     CHUNK_BYTES,
@@ -286,8 +288,9 @@ def main() -> None:
     )
     parser.add_argument("--skip-gloo", action="store_true", help="skip the torch.distributed comparison")
     parser.add_argument("--quick", action="store_true", help="2 repeats, for a smoke test")
-    parser.add_argument("--out", default=str(HERE / "results" / "weight_sync.json"))
+    add_out_arguments(parser, "weight_sync")
     args = parser.parse_args()
+    args.out = results_file(args, "weight_sync")
     if args.quick:
         args.repeats = 2
     if not 0 < args.chunk_mib * 2**20 <= CHUNK_BYTES:

@@ -4,3 +4,8 @@
 def digit_count(response: str, example) -> float:
     """Gives random models a reward with variance: the number of digits in the response, capped."""
     return float(min(sum(ch.isdigit() for ch in response), 5))
+
+
+def constant(response: str, example) -> float:
+    """The same reward for every completion: every group has zero variance."""
+    return 1.0

@@ -269,8 +269,11 @@ def cmd_plot(args) -> int:
             print(path)
     if len(args.run_dirs) > 1:
         out = Path(args.out or Path(args.run_dirs[0]).parent / "compare")
-        for path in plot_runs([Path(r) for r in args.run_dirs], out, smooth=args.smooth):
-            print(path)
+        try:
+            for path in plot_runs([Path(r) for r in args.run_dirs], out, smooth=args.smooth):
+                print(path)
+        except ValueError as err:  # each run's own figures are written; only the comparison is not
+            print(f"tandem plot: no comparison figures: {err}", file=sys.stderr)
     return 0
 
 

@@ -42,6 +42,9 @@ class Completion:
     advantage: float = 0.0
 
 
+GROUP_TIMINGS = ("generate", "reference", "reward")  # the sampler's phases a group carries seconds of
+
+
 @dataclass
 class Group:
     """All G completions of one prompt: the unit on the wire, never split across ranks."""
@@ -56,6 +59,9 @@ class Group:
     created_at: float = 0.0
     metadata: dict = field(default_factory=dict)  # the data row's, e.g. the gold answer
     prefix_tokens: list[str] = field(default_factory=list)  # prompt tokens as strings (seed field)
+    # the sampler's seconds spent on this group: its equal share of its generation batch's
+    # `generate`, `reference` and `reward` time (a trainer sums them over the groups of a step)
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def rewards(self) -> list[float]:

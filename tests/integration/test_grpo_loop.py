@@ -164,3 +164,28 @@ def test_offloaded_reference_gives_the_same_run(tiny_model_dir, tmp_path):
     )
     assert [r["kl"] for r in held] == [r["kl"] for r in offloaded] and held[1]["kl"] > 0
     assert [r["loss"] for r in held] == [r["loss"] for r in offloaded]
+
+
+def test_a_step_with_nothing_to_learn_from_is_skipped_not_stepped(tiny_model_dir, tmp_path):
+    """Every group scores the same (zero variance, skipped): no optimizer step, no scheduler step
+    (and so no PyTorch "lr_scheduler.step() before optimizer.step()" warning), the weights are
+    untouched, and the row says skipped."""
+    import warnings
+
+    cfg = tiny_config(
+        tiny_model_dir,
+        tmp_path,
+        "flat",
+        "training.max_steps=2",
+        "training.warmup_steps=4",
+        "rewards=[{type: function, function: 'tiny_rewards:constant'}]",
+        "grpo.skip_zero_variance_groups=true",
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lr_scheduler.step.*")
+        final = train_grpo(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "flat" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped"], r["num_train_sequences"]) for r in rows] == [(1, True, 0), (2, True, 0)]
+    assert rows[0]["lr"] == rows[1]["lr"] == 1e-3 / 4  # the warmup did not move: no update was made
+    before, after = weights(tiny_model_dir), weights(final)
+    assert all(torch.equal(before[k], after[k]) for k in before)

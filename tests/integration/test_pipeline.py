@@ -18,7 +18,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from tandem.transport.channel import free_tcp_port  # noqa: E402
-from tandem.transport.wire import encode_control  # noqa: E402
+from tandem.transport.wire import SCHEMA_VERSION, encode_control  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -151,8 +151,9 @@ def test_sampler_and_trainer_processes_train_with_advancing_versions(make_run, s
     assert versions == sorted(versions) and versions[-1] >= 3  # the sampler saw the new weights
     assert (run.dir / "final" / "model.safetensors").is_file()
     if sync_method == "fs":
-        kept = sorted(p.name for p in (run.dir / "weights").iterdir() if p.name.startswith("v"))
-        assert kept == ["v00000004", "v00000005"]  # the newest sync_keep_versions, nothing half-written
+        # pruned as it went (sync_keep_versions), and a finished run's versions are gone: only the
+        # status that tells a late sampler the run is over remains
+        assert sorted(p.name for p in (run.dir / "weights").iterdir()) == ["status.json"]
         status = json.loads((run.dir / "weights" / "status.json").read_text())
         assert status["finished"] is True and status["version"] == 5
 
@@ -177,6 +178,13 @@ def test_strictly_on_policy_ratio_is_one(make_run):
     assert rows[-1]["grad_norm"] > 0
     # the sampler on this host was lent each version's shared snapshot file: no chunk was sent
     assert rows[-1]["weights_lent"] >= 3 and rows[-1]["weights_sent"] == 0, rows[-1]
+    # each row carries the sampler's time split for the groups it trained on: here one sampler
+    # batch per step, so exactly what the sampler recorded for that batch
+    made = run.sampler_rows()
+    for row, batch in zip(rows, made):
+        for key in ("time_generate", "time_reference", "time_reward"):
+            assert row[key] == pytest.approx(batch[key], rel=1e-9), key
+    assert all(r["time_generate"] > 0 for r in rows)
 
 
 def test_a_batch_spanning_two_versions_is_sampled_by_the_version_that_takes_it(make_run):
@@ -285,7 +293,7 @@ def test_hostile_messages_to_a_live_trainer_are_dropped_and_counted(make_run, tm
         def __reduce__(self):
             return (open, (str(marker), "w"))
 
-    header = {"schema": 1, "kind": "group", "arrays": [{"dtype": "float32", "shape": [2**40]}]}
+    header = {"schema": SCHEMA_VERSION, "kind": "group", "arrays": [{"dtype": "float32", "shape": [2**40]}]}
     hostile = [
         [os.urandom(300)],
         [pickle.dumps(Exploit())],

@@ -301,6 +301,18 @@ def test_fs_sync_is_atomic_checksummed_and_pruned(tiny_model_dir, tmp_path):
     bin_path.write_bytes(bytes(data))
     with pytest.raises(WeightSyncError, match="checksum"):
         reader.fetch()
+    # a finished run leaves no weights behind (the model is in final/), only the status
+    writer.close()
+    assert list_versions(tmp_path / "weights") == [] and reader.status().finished
+    assert reader.fetch() is None
+
+
+def test_an_interrupted_fs_writer_keeps_its_newest_versions(tiny_model, tmp_path):
+    writer = FsWeightWriter(tmp_path / "weights", run_id="run-a", keep=2)
+    for version in range(3):
+        writer.publish(take_snapshot(tiny_model.named_parameters(), version=version, run_id="run-a"))
+    writer.close()  # not finished: samplers that outlive it still find the newest weights
+    assert [v for v, _ in list_versions(tmp_path / "weights")] == [1, 2]
 
 
 def test_a_finished_server_knows_which_samplers_have_not_heard_it(tiny_model, server_and_client):

@@ -89,7 +89,8 @@ def test_plot_runs_overlays_several_runs(tmp_path: Path):
     a = write_run(tmp_path / "a" / "run", num_steps=15)
     b = write_run(tmp_path / "b" / "run", num_steps=25, drop=("reward_mean",))
     paths = plot_runs([a, b], tmp_path / "compare")
-    assert {p.name for p in paths} == {"compare_accuracy.png", "compare_reward.png"}
+    # reward_mean is in one run only: nothing to compare there
+    assert {p.name for p in paths} == {"compare_accuracy.png", "compare_loss.png"}
     for p in paths:
         assert_png(p)
     with pytest.raises(ValueError):
@@ -120,3 +121,75 @@ def test_supervised_runs_get_their_own_figures(tmp_path):
     names = {p.name for p in plot_run(tmp_path)}
     assert {"loss.png", "eval_loss.png", "preference_accuracy.png", "margins.png", "timing.png"} <= names
     assert not names & {"reward.png", "kl.png", "value.png", "perplexity.png"}
+
+
+def _supervised_run(run_dir: Path, accuracy_field: str, scale: float) -> Path:
+    rows = []
+    for step in range(1, 7):
+        row = {
+            "step": step,
+            "epoch": 0,
+            "loss": scale / step,
+            "grad_norm": 1.0,
+            "lr": 1e-5,
+            "step_seconds": 1.0,
+        }
+        row[accuracy_field] = 0.5 + step / 20
+        if step % 3 == 0:
+            row["eval_loss"] = 1.2 * scale / step
+        rows.append(row)
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def test_supervised_runs_are_compared(tmp_path):
+    """`tandem plot` of an RM run and a DPO run: their losses, held-out losses (sparse) and
+    preference accuracies (`accuracy` for rm, `reward_accuracy` for dpo) side by side."""
+    rm = _supervised_run(tmp_path / "rm", "accuracy", 1.0)
+    dpo = _supervised_run(tmp_path / "dpo", "reward_accuracy", 0.7)
+    names = {p.name for p in plot_runs([rm, dpo], tmp_path / "compare")}
+    assert names == {"compare_loss.png", "compare_eval_loss.png", "compare_preference_accuracy.png"}
+    for name in names:
+        assert_png(tmp_path / "compare" / name)
+
+
+def test_runs_with_nothing_in_common_say_so_and_leave_no_folder(tmp_path):
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "metrics.jsonl").write_text(json.dumps({"step": 1, "foo": 1.0}) + "\n")
+    b = _supervised_run(tmp_path / "b", "accuracy", 1.0)
+    with pytest.raises(ValueError, match="nothing to compare"):
+        plot_runs([a, b], tmp_path / "compare")
+    assert not (tmp_path / "compare").exists()
+
+
+def test_a_decoupled_timing_figure_shows_the_sampler_beside_the_trainer(tmp_path):
+    """Decoupled rows (they count dropped messages) get two panels: the trainer's step and the
+    sampler's overlapping time for the groups it took."""
+    from matplotlib.figure import Figure
+
+    from tandem.trainer.plots import _plot_timing
+
+    rows = [
+        {
+            "step": s,
+            "step_seconds": 10.0,
+            "time_train": 6.0,
+            "time_optimizer": 0.5,
+            "wait_seconds": 2.0,
+            "time_generate": 8.0,
+            "time_reference": 1.0,
+            "time_reward": 0.1,
+            "messages_dropped": 0,
+        }
+        for s in range(1, 4)
+    ]
+    fig = _plot_timing("run", np.arange(1, 4, dtype=float), rows, 0)
+    assert isinstance(fig, Figure) and len(fig.axes) == 2
+    trainer_labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert trainer_labels == ["train", "optimizer", "wait_seconds", "other", "step_seconds"]
+    assert [t.get_text() for t in fig.axes[1].get_legend().get_texts()] == ["generate", "reference", "reward"]
+    colocated = [{k: v for k, v in r.items() if k != "messages_dropped"} for r in rows]
+    fig = _plot_timing("run", np.arange(1, 4, dtype=float), colocated, 0)
+    assert len(fig.axes) == 1

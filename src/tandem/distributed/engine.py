@@ -98,10 +98,6 @@ class TorchEngine:
         trim_memory()
         return grad_norm
 
-    def skip_step(self) -> None:
-        """A step with nothing to learn from (every group had zero variance): the schedule moves on."""
-        self.scheduler.step()
-
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
@@ -169,10 +165,6 @@ class DeepSpeedEngine:
         trim_memory()
         norm = self.model.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
-
-    def skip_step(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.step()
 
     def lr(self) -> float:
         return float(self.model.get_lr()[0])

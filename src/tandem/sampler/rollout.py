@@ -131,6 +131,14 @@ class Rollout:
         self.timings = timings
 
         G = self.num_generations
+        share = {  # each group's equal part of this batch's time
+            name: seconds / max(len(examples), 1)
+            for name, seconds in (
+                ("generate", timings.generate),
+                ("reference", timings.reference),
+                ("reward", timings.reward),
+            )
+        }
         return [
             Group(
                 group_id=uuid.uuid4().hex,
@@ -142,6 +150,7 @@ class Rollout:
                 sampler_id=self.sampler_id,
                 created_at=time.time(),
                 metadata={"answer": ex.answer, **ex.metadata},
+                timings=dict(share),
             )
             for j, (ex, (text, ids)) in enumerate(zip(examples, prompts))
         ]

@@ -24,7 +24,7 @@ from tandem.config import Config
 from tandem.data.stream import PromptStream
 from tandem.models.lora import sync_tensors
 from tandem.sampler.rollout import Rollout
-from tandem.types import Group
+from tandem.types import GROUP_TIMINGS, Group
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +269,9 @@ class RemoteExperience:
 
     def _stats(self, groups: list[Group], dropped: Counter, waited: float) -> dict:
         stats = {
+            # the sampler's time for the groups of this batch (each carries its share of its
+            # generation batch); it overlaps the trainer's own time, unlike colocated runs
+            **{f"time_{name}": sum(g.timings.get(name, 0.0) for g in groups) for name in GROUP_TIMINGS},
             "wait_seconds": waited,
             "groups_dropped_stale": dropped["stale"],
             "groups_dropped_future": dropped["future"],

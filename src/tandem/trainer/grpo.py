@@ -270,13 +270,16 @@ def optimizer_step(engine, share: Share, cfg: Config, device: torch.device, env:
     tc, gc = cfg.training, cfg.grpo
     stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_abs_dev": 0.0}
     lr = engine.lr()
-    if share.num_global == 0:  # every group had zero reward variance and was skipped: nothing to learn from
-        engine.skip_step()
+    if share.num_global == 0:
+        # every group had zero reward variance and was skipped: nothing to learn from, so no
+        # optimizer step and no scheduler step (the lr schedule counts real updates); the step
+        # still counts toward max_steps and publishes its version, which keeps the samplers' pacing
         return {
             **stats,
             "grad_norm": 0.0,
             "lr": lr,
             "num_train_sequences": 0,
+            "skipped": True,
             "time_train": 0.0,
             "time_optimizer": 0.0,
         }
@@ -324,6 +327,7 @@ def optimizer_step(engine, share: Share, cfg: Config, device: torch.device, env:
         "grad_norm": grad_norm,
         "lr": lr,
         "num_train_sequences": share.num_global,
+        "skipped": False,
         "time_train": t1 - t0,
         "time_optimizer": time.perf_counter() - t1,
     }

@@ -17,7 +17,8 @@ from matplotlib.figure import Figure
 from tandem.trainer.metrics import METRICS_FILE, read_metrics
 
 X_LABEL = "optimizer step"
-TIMING_FIELDS = ("time_generate", "time_reference", "time_train", "time_optimizer", "time_other")
+SAMPLER_PHASES = ("time_generate", "time_reference", "time_reward")  # sampling, scoring the groups
+TRAINER_PHASES = ("time_train", "time_optimizer")
 
 
 def _load_rows(run_dir: Path) -> list[dict]:
@@ -131,19 +132,45 @@ def _plot_loss(name: str, steps: np.ndarray, rows: list[dict], smooth: int) -> F
 
 
 def _plot_timing(name: str, steps: np.ndarray, rows: list[dict], smooth: int) -> Figure | None:
+    """Where a step's time goes, every phase stacked up to step_seconds ("other": the rest, e.g.
+    logging, saving, weight sync). Colocated, sampling is part of the step. Decoupled (rows that
+    count dropped messages), the samplers work while the trainer trains: the trainer's step
+    (training, optimizer, waiting for groups) is one panel, and the sampler's time for the groups
+    that step took, which overlaps it, a second one."""
     total = _series(rows, "step_seconds")
-    parts = {f: v for f in TIMING_FIELDS if (v := _series(rows, f)) is not None}
-    if total is None and not parts:
+    sampler = {f: v for f in SAMPLER_PHASES if (v := _series(rows, f)) is not None}
+    trainer = {f: v for f in TRAINER_PHASES if (v := _series(rows, f)) is not None}
+    if total is None and not sampler and not trainer:
         return None
-    fig, (ax,) = _new_figure()
-    if parts:
-        # Stacked phases of a step; a phase missing at some step counts as 0 s there.
-        ax.stackplot(steps, *(np.nan_to_num(v) for v in parts.values()), labels=list(parts), alpha=0.7)
+    decoupled = any("messages_dropped" in r for r in rows)
+    if decoupled:
+        wait = _series(rows, "wait_seconds")
+        in_step = {**trainer, **({"wait_seconds": wait} if wait is not None else {})}
+    else:
+        in_step = {**sampler, **trainer}
+    fig, axes = _new_figure(2 if decoupled and sampler else 1)
+    _stack(axes[0], steps, in_step, total)
+    where = "trainer (the samplers work meanwhile)" if decoupled else "time per step"
+    axes[0].set(title=f"{name}: {where}", ylabel="seconds")
+    if decoupled and sampler:
+        _stack(axes[1], steps, sampler, None)
+        axes[1].set(
+            title="sampler: seconds spent on the groups of each step (overlaps the above)", ylabel="seconds"
+        )
+    return fig
+
+
+def _stack(ax: Axes, steps: np.ndarray, parts: dict[str, np.ndarray], total: np.ndarray | None) -> None:
+    """Phases stacked (a phase missing at some step counts as 0 s there), the remainder of
+    `total` as "other", and `total` itself as a line."""
+    values = {k: np.nan_to_num(v) for k, v in parts.items()}
+    if total is not None:
+        values["other"] = np.clip(np.nan_to_num(total) - sum(values.values(), np.zeros_like(steps)), 0, None)
+    if values:
+        ax.stackplot(steps, *values.values(), labels=[k.removeprefix("time_") for k in values], alpha=0.7)
     if total is not None:
         ax.plot(steps, total, color="black", linewidth=1, label="step_seconds")
-    ax.set(title=f"{name}: time per step", ylabel="seconds")
     ax.legend(loc="upper left", fontsize="small")
-    return fig
 
 
 def _overlay(
@@ -217,8 +244,33 @@ def plot_run(run_dir: Path, out_dir: Path | None = None, *, smooth: int = 0) -> 
     return written
 
 
+# (figure, fields that mean the same thing across methods: the first one a run has is drawn, label)
+COMPARE = (
+    ("compare_accuracy.png", ("answer_accuracy",), "answer accuracy", (-0.02, 1.02)),
+    ("compare_reward.png", ("reward_mean",), "reward", None),
+    ("compare_loss.png", ("loss",), "training loss", None),
+    ("compare_eval_loss.png", ("eval_loss",), "held-out loss", None),
+    ("compare_eval_perplexity.png", ("eval_perplexity",), "held-out perplexity", None),
+    (
+        "compare_preference_accuracy.png",
+        ("accuracy", "reward_accuracy"),
+        "chosen ranked first",
+        (-0.02, 1.02),
+    ),
+    (
+        "compare_eval_preference_accuracy.png",
+        ("eval_accuracy", "eval_reward_accuracy"),
+        "held-out: chosen ranked first",
+        (-0.02, 1.02),
+    ),
+    ("compare_margin.png", ("margin_mean", "reward_margin"), "chosen minus rejected", None),
+)
+
+
 def plot_runs(run_dirs: list[Path], out_dir: Path, *, smooth: int = 0) -> list[Path]:
-    """Overlay several runs' accuracy and reward curves (`compare_accuracy.png`, `compare_reward.png`)."""
+    """Overlay several runs, one figure per quantity at least two of them recorded (GRPO/PPO:
+    accuracy, reward, loss; SFT/RM/DPO: loss, held-out loss and perplexity, preference accuracy,
+    margins). Runs with nothing in common are a ValueError that says so; no empty folder is left."""
     if not run_dirs:
         raise ValueError("plot_runs needs at least one run folder")
     runs = [_load_rows(Path(d)) for d in run_dirs]
@@ -226,24 +278,37 @@ def plot_runs(run_dirs: list[Path], out_dir: Path, *, smooth: int = 0) -> list[P
     if len(set(names)) < len(names):  # same folder name under different parents: label by full path
         names = [str(d) for d in run_dirs]
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    panels = {
-        "compare_accuracy.png": ("answer_accuracy", "answer accuracy", (-0.02, 1.02)),
-        "compare_reward.png": ("reward_mean", "reward", None),
-    }
-    for filename, (field, ylabel, ylim) in panels.items():
-        fig, (ax,) = _new_figure()
-        drawn = 0
+    for filename, fields, ylabel, ylim in COMPARE:
+        curves = []
         for label, rows in zip(names, runs):
-            values = _series(rows, field)
-            if values is not None:
-                _line(ax, np.array([float(r["step"]) for r in rows]), values, label, smooth)
-                drawn += 1
-        if drawn:
-            ax.set(title=f"{ylabel} ({len(runs)} runs)", ylabel=ylabel)
-            if ylim is not None:
-                ax.set_ylim(*ylim)
-            ax.legend(loc="best", fontsize="small")
-            written.append(_save(fig, out_dir / filename))
+            field = next((f for f in fields if _series(rows, f) is not None), None)
+            if field is not None:
+                steps = np.array([float(r["step"]) for r in rows])
+                curves.append(
+                    (label if len(fields) == 1 else f"{label} ({field})", steps, _series(rows, field))
+                )
+        if len(curves) < 2:
+            continue
+        fig, (ax,) = _new_figure()
+        for label, steps, values in curves:
+            finite = np.isfinite(values)
+            if finite.sum() < len(values):  # sparse: evaluated every eval_steps
+                ax.plot(steps[finite], values[finite], marker="o", label=label)
+            else:
+                _line(ax, steps, values, label, smooth)
+        ax.set(title=f"{ylabel} ({len(curves)} runs)", ylabel=ylabel)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        ax.legend(loc="best", fontsize="small")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        written.append(_save(fig, out_dir / filename))
+    if not written:
+        recorded = {
+            name: sorted({k for r in rows for k in r if k != "step"})[:6] for name, rows in zip(names, runs)
+        }
+        raise ValueError(
+            f"no quantity was recorded by two of these runs, so there is nothing to compare ({recorded}); "
+            "compare runs of the same method"
+        )
     return written

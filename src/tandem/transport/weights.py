@@ -840,13 +840,20 @@ class FsWeightWriter:
             (tmp / "manifest.json").write_text(json.dumps(manifest_to_json(snapshot.manifest)))
 
         atomic_dir(_version_dir(self.root, snapshot.manifest.version), write)
-        # a sampler may be reading a pruned version: its open file stays readable until closed
-        for _, path in list_versions(self.root)[: -self.keep]:
-            for file in path.iterdir():
-                file.unlink(missing_ok=True)
-            path.rmdir()
+        self._prune(self.keep)
         self._status = replace(self._status, version=snapshot.manifest.version)
         self._write_status()
+
+    def _prune(self, keep: int) -> int:
+        """Remove all but the newest `keep` versions; returns the bytes freed. A sampler may be
+        reading a pruned version: its open file stays readable until closed (POSIX)."""
+        freed = 0
+        for _, path in list_versions(self.root)[: len(list_versions(self.root)) - keep]:
+            for file in path.iterdir():
+                freed += file.stat().st_size
+                file.unlink(missing_ok=True)
+            path.rmdir()
+        return freed
 
     def busy(self, flat: torch.Tensor) -> bool:
         return False  # published versions are files: the buffer is free once publish returns
@@ -864,7 +871,13 @@ class FsWeightWriter:
         atomic_write_text(self.root / STATUS_FILE, json.dumps(status_payload(self._status)), fsync=False)
 
     def close(self) -> None:
-        pass
+        """A finished run's versions go too (its samplers have heard it is over, and the trained
+        model is in final/); status.json stays and says so. An interrupted run keeps its newest
+        versions for the samplers that outlive it."""
+        if self._status.finished:
+            freed = self._prune(0)
+            if freed:
+                log.info("removed the published weight versions from %s (%.2f GB)", self.root, freed / 1e9)
 
 
 class FsWeightReader:

@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.types import Completion, Group, TensorSpec, WeightsManifest
+from tandem.types import GROUP_TIMINGS, Completion, Group, TensorSpec, WeightsManifest
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: groups carry their sampler `timings`
 MAX_MESSAGE_BYTES = 64 * 2**20
 MAX_METADATA_DEPTH = 32
 
@@ -52,8 +52,9 @@ _INT32_MAX = 2**31 - 1
 # the schema: exactly these keys, no more, no fewer (a change here is a SCHEMA_VERSION bump)
 _GROUP_KEYS = frozenset(
     {"schema", "kind", "group_id", "prompt_id", "prefix", "prefix_tokens", "prefix_token_ids"}
-    | {"policy_version", "sampler_id", "created_at", "metadata", "completions"}
+    | {"policy_version", "sampler_id", "created_at", "metadata", "timings", "completions"}
 )
+TIMING_NAMES = frozenset(GROUP_TIMINGS)
 _COMPLETION_KEYS = frozenset(
     {"text", "is_finished", "reward", "reward_info", "advantage", "generated_token_ids"}
     | {"old_policy_log_probs", "ref_policy_log_probs"}
@@ -115,6 +116,7 @@ def encode_group(group: Group) -> list[bytes | memoryview]:
         "sampler_id": _check_str(group.sampler_id, "sampler_id"),
         "created_at": _finite(group.created_at, "created_at"),
         "metadata": group.metadata,
+        "timings": _timings(group.timings),
         "completions": [],
     }
     for i, c in enumerate(group.completions):
@@ -230,6 +232,7 @@ def decode_group(frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES) -
         created_at=_finite(header["created_at"], "created_at"),
         metadata=metadata,
         prefix_tokens=_str_list(header["prefix_tokens"], "prefix_tokens"),
+        timings=_timings(header["timings"]),
     )
 
 
@@ -333,6 +336,22 @@ def _check_schema(header: dict, kind: str | None) -> None:
         raise WireError(f"header 'kind' must be a non-empty str, got {_type(actual)}", "schema")
     if kind is not None and actual != kind:
         raise WireError(f"expected a {kind!r} message, got kind {_short(actual)}", "schema")
+
+
+def _timings(timings: Any) -> dict[str, float]:
+    """A group's sampler seconds: at most generate/reference/reward, each finite and >= 0."""
+    if not isinstance(timings, dict):
+        raise WireError(f"timings must be an object, got {_type(timings)}")
+    unknown = timings.keys() - TIMING_NAMES
+    if unknown:
+        raise WireError(f"timings has unexpected key(s) {_short(sorted(map(str, unknown))[:10])}")
+    out = {}
+    for name, seconds in timings.items():
+        value = _finite(seconds, f"timings.{name}")
+        if value < 0:
+            raise WireError(f"timings.{name} is negative ({value})")
+        out[name] = value
+    return out
 
 
 def _check_keys(obj: dict, expected: frozenset[str], where: str) -> None:
