@@ -166,6 +166,8 @@ class RemoteExperience:
         )
 
     def publish(self, policy: torch.nn.Module) -> float:
+        """Publish the policy's weights as `self.version`; returns the seconds it took. The version
+        and what it holds (tensor names, bytes) are recorded in RUN/sync_state.json."""
         start = time.perf_counter()
         snapshot = self._buffers.snapshot(
             sync_tensors(policy, self.cfg.model.lora.sync),
@@ -176,7 +178,13 @@ class RemoteExperience:
             hashed=False,  # hashed by the publisher when a reader needs it (a lent snapshot never does)
         )
         self.publisher.publish(snapshot)
-        atomic_write_text(self.run_dir / SYNC_STATE_FILE, json.dumps({"version": self.version}), fsync=False)
+        self.published_bytes = snapshot.manifest.total_bytes
+        state = {
+            "version": self.version,
+            "total_bytes": snapshot.manifest.total_bytes,
+            "tensors": [t.name for t in snapshot.manifest.tensors],  # LoRA sync=adapter: the adapters only
+        }
+        atomic_write_text(self.run_dir / SYNC_STATE_FILE, json.dumps(state), fsync=False)
         return time.perf_counter() - start
 
     def expect(self, step: int, steps: int, steps_per_batch: int) -> None:
@@ -208,7 +216,7 @@ class RemoteExperience:
             return {}
         self.version += 1
         self._announce()  # before the new version is visible: its pacing horizon comes first
-        stats = {"sync_seconds": self.publish(policy)}
+        stats = {"sync_seconds": self.publish(policy), "sync_megabytes": self.published_bytes / 1e6}
         served = getattr(self.publisher, "served", None)
         if served is not None:  # zmq: versions lent as shared files (same host) vs. sent as chunks
             stats.update(weights_lent=served["shared"], weights_sent=served["fetch"])
