@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tandem.trainer.metrics import REQUIRED_FIELDS
-from tandem.trainer.plots import moving_average, plot_run, plot_runs
+from tandem.trainer.plots import compare_panels, moving_average, plot_run, plot_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_FIGURES = {"reward.png", "accuracy.png", "kl.png", "completion_length.png", "loss.png", "timing.png"}
@@ -123,7 +123,11 @@ def test_supervised_runs_get_their_own_figures(tmp_path):
     assert not names & {"reward.png", "kl.png", "value.png", "perplexity.png"}
 
 
-def _supervised_run(run_dir: Path, accuracy_field: str, scale: float) -> Path:
+def _supervised_run(
+    run_dir: Path, accuracy_field: str, scale: float, method: str | None = None, **fields: float
+) -> Path:
+    """A run folder with rows as `tandem rm`/`dpo`/`sft` write them (eval every 3 steps) and, when
+    `method` is given, the config.yaml line that names it."""
     rows = []
     for step in range(1, 7):
         row = {
@@ -133,6 +137,7 @@ def _supervised_run(run_dir: Path, accuracy_field: str, scale: float) -> Path:
             "grad_norm": 1.0,
             "lr": 1e-5,
             "step_seconds": 1.0,
+            **fields,
         }
         row[accuracy_field] = 0.5 + step / 20
         if step % 3 == 0:
@@ -140,27 +145,75 @@ def _supervised_run(run_dir: Path, accuracy_field: str, scale: float) -> Path:
         rows.append(row)
     run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if method is not None:
+        (run_dir / "config.yaml").write_text(f"method: {method}\nexperiment_name: {run_dir.name}\n")
     return run_dir
 
 
-def test_supervised_runs_are_compared(tmp_path):
-    """`tandem plot` of an RM run and a DPO run: their losses, held-out losses (sparse) and
-    preference accuracies (`accuracy` for rm, `reward_accuracy` for dpo) side by side."""
-    rm = _supervised_run(tmp_path / "rm", "accuracy", 1.0)
-    dpo = _supervised_run(tmp_path / "dpo", "reward_accuracy", 0.7)
-    names = {p.name for p in plot_runs([rm, dpo], tmp_path / "compare")}
-    assert names == {"compare_loss.png", "compare_eval_loss.png", "compare_preference_accuracy.png"}
+def test_supervised_runs_of_one_method_are_compared(tmp_path):
+    """`tandem plot` of two RM runs: their losses, held-out losses (sparse points) and preference
+    accuracies side by side."""
+    a = _supervised_run(tmp_path / "a", "accuracy", 1.0, "rm", margin_mean=0.5)
+    b = _supervised_run(tmp_path / "b", "accuracy", 0.7, "rm", margin_mean=0.8)
+    names = {p.name for p in plot_runs([a, b], tmp_path / "compare")}
+    assert names == {
+        "compare_loss.png",
+        "compare_eval_loss.png",
+        "compare_preference_accuracy.png",
+        "compare_margin.png",
+    }
     for name in names:
         assert_png(tmp_path / "compare" / name)
 
 
+def test_runs_of_different_methods_share_only_what_means_the_same(tmp_path):
+    """Two DPO runs and an RM run: preference accuracy (`reward_accuracy` for dpo, `accuracy` for
+    rm) is one figure of all three; losses and margins are compared among the DPO runs only, in
+    figures named for the method. A Safe-MM-DPO row's own margin is reward_margin, not the data's
+    reward-model margin_mean."""
+    dpo_a = _supervised_run(tmp_path / "dpo_a", "reward_accuracy", 1.0, "dpo", reward_margin=0.1)
+    dpo_b = _supervised_run(
+        tmp_path / "dpo_b", "reward_accuracy", 0.8, "dpo", reward_margin=0.2, margin_mean=3.0
+    )
+    rm = _supervised_run(tmp_path / "rm", "accuracy", 0.7, "rm", margin_mean=0.5)
+    paths = plot_runs([dpo_a, dpo_b, rm], tmp_path / "compare")
+    assert {p.name for p in paths} == {
+        "compare_preference_accuracy.png",
+        "compare_loss-dpo.png",
+        "compare_eval_loss-dpo.png",
+        "compare_margin-dpo.png",
+    }
+    for p in paths:
+        assert_png(p)
+    runs = [dpo_a, dpo_b, rm]
+    rows = [[json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()] for r in runs]
+    panels = {p[0]: p for p in compare_panels(["a", "b", "rm"], rows, ["dpo", "dpo", "rm"])}
+    assert [c[0] for c in panels["compare_margin-dpo.png"][4]] == ["a: reward_margin", "b: reward_margin"]
+    assert [c[0] for c in panels["compare_preference_accuracy.png"][4]] == [
+        "a: reward_accuracy",
+        "b: reward_accuracy",
+        "rm: accuracy",
+    ]
+    assert panels["compare_loss-dpo.png"][1] == "training loss (2 dpo runs)"
+    eval_loss = panels["compare_eval_loss-dpo.png"][4][0][2]  # evaluated at steps 3 and 6 only
+    assert np.isnan(eval_loss[0]) and eval_loss[2] == pytest.approx(1.2 / 3)
+
+
 def test_runs_with_nothing_in_common_say_so_and_leave_no_folder(tmp_path):
+    """An SFT run and a DPO run both have a `loss`, but not the same loss: nothing to compare, and
+    the message says what each recorded."""
+    sft = _supervised_run(tmp_path / "sft", "token_accuracy", 1.0, "sft", eval_perplexity=3.0)
+    dpo = _supervised_run(tmp_path / "dpo", "reward_accuracy", 1.0, "dpo")
+    with pytest.raises(ValueError, match="nothing to compare") as err:
+        plot_runs([sft, dpo], tmp_path / "compare")
+    assert "sft (sft): loss, eval_loss, eval_perplexity" in str(err.value)
+    assert "dpo (dpo): loss, eval_loss, reward_accuracy" in str(err.value)
+    assert not (tmp_path / "compare").exists()
     a = tmp_path / "a"
     a.mkdir()
     (a / "metrics.jsonl").write_text(json.dumps({"step": 1, "foo": 1.0}) + "\n")
-    b = _supervised_run(tmp_path / "b", "accuracy", 1.0)
-    with pytest.raises(ValueError, match="nothing to compare"):
-        plot_runs([a, b], tmp_path / "compare")
+    with pytest.raises(ValueError, match="a: none"):
+        plot_runs([a, _supervised_run(tmp_path / "b", "accuracy", 1.0)], tmp_path / "compare")
     assert not (tmp_path / "compare").exists()
 
 

@@ -308,16 +308,16 @@ DECODE_ERRORS = [
     ),
     (
         "duplicate_key",
-        _header_replace(b'{"schema":2,', b'{"schema":2,"schema":2,'),
+        _header_replace(b'{"schema":1,', b'{"schema":1,"schema":1,'),
         "bad_header",
         "repeats key",
     ),
     ("deep_nesting", _header_is(_NESTED), "bad_header", "not valid JSON"),
     ("frame0_not_buffer", _header_is(12345), "bad_header", "frame 0 is not a byte buffer"),
-    ("schema_newer", _top("schema", 3), "schema", "schema 3, this build speaks schema 2"),
+    ("schema_newer", _top("schema", 2), "schema", "schema 2, this build speaks schema 1"),
     ("schema_missing", _with_header(lambda h: h.pop("schema")), "schema", "no 'schema' key"),
     ("schema_bool", _top("schema", True), "schema", "schema True"),
-    ("schema_float", _top("schema", 2.0), "schema", "schema 2.0"),
+    ("schema_float", _top("schema", 1.0), "schema", "schema 1.0"),
     ("wrong_kind", _top("kind", "stop"), "schema", "expected a 'group' message, got kind 'stop'"),
     (
         "missing_key",
@@ -497,7 +497,7 @@ def test_fuzz_random_frames_only_raise_wire_error():
     for _ in range(300):
         frames = [rng.randbytes(rng.choice([0, 1, 4, 12, 64, 300])) for _ in range(rng.randint(0, 6))]
         if frames and rng.random() < 0.3:  # a JSON-looking header, to get past the first checks
-            frames[0] = json.dumps({"schema": 2, "kind": "group", "x": rng.random()}).encode()
+            frames[0] = json.dumps({"schema": 1, "kind": "group", "x": rng.random()}).encode()
         _decode_or_wire_error(frames)
 
 
@@ -617,12 +617,12 @@ def test_encode_control_rejects(kind, payload, match):
 @pytest.mark.parametrize(
     ("frames", "reason", "match"),
     [
-        ([b'{"schema":3,"kind":"stop","payload":{}}'], "schema", "schema 3, this build speaks schema 2"),
-        ([b'{"schema":2,"kind":"stop","payload":{}}', b""], "frames", "1 frame, got 2"),
-        ([b'{"schema":2,"kind":"stop","payload":[]}'], "invalid", "payload must be an object"),
-        ([b'{"schema":2,"kind":"stop"}'], "invalid", "missing key"),
-        ([b'{"schema":2,"kind":7,"payload":{}}'], "schema", "'kind' must be a non-empty str"),
-        ([b'{"schema":2,"kind":"group","payload":{}}'], "schema", "group message, not a control"),
+        ([b'{"schema":2,"kind":"stop","payload":{}}'], "schema", "schema 2, this build speaks schema 1"),
+        ([b'{"schema":1,"kind":"stop","payload":{}}', b""], "frames", "1 frame, got 2"),
+        ([b'{"schema":1,"kind":"stop","payload":[]}'], "invalid", "payload must be an object"),
+        ([b'{"schema":1,"kind":"stop"}'], "invalid", "missing key"),
+        ([b'{"schema":1,"kind":7,"payload":{}}'], "schema", "'kind' must be a non-empty str"),
+        ([b'{"schema":1,"kind":"group","payload":{}}'], "schema", "group message, not a control"),
         ([b"\x80\x04"], "bad_header", "UTF-8"),
     ],
 )
@@ -647,18 +647,19 @@ def test_error_messages_stay_short_for_hostile_values():
     assert len(str(info.value)) < 300
 
 
-def test_a_groups_sampler_timings_travel():
-    """Each group carries its share of its sampler batch's time (decoupled rows sum them). A sender
-    of schema 1, without them, is refused by its schema, naming the fix."""
-    group = dataclasses.replace(make_group(), timings={"generate": 1.5, "reference": 0.25, "reward": 0.0})
-    assert decode_group(encode_group(group)).timings == group.timings
-    frames = encode_group(make_group())
+def test_a_groups_sampler_timings_travel_and_are_optional():
+    """Each group carries its share of its sampler batch's time (decoupled rows sum them). The key
+    is optional: a sender that predates it (no `timings` in the header) still decodes, with none."""
+    timings = {"generate": 1.5, "reference": 0.25, "reward": 0.0}
+    group = dataclasses.replace(make_group(), timings=timings)
+    assert decode_group(encode_group(group)).timings == timings
+    frames = encode_group(group)
     header = json.loads(bytes(frames[0]))
-    del header["timings"]
-    header["schema"] = 1
-    with pytest.raises(WireError, match="same tandem version") as err:
-        decode_group([json.dumps(header).encode(), *frames[1:]])
-    assert err.value.reason == "schema"
+    del header["timings"]  # exactly what a sender that predates timings writes
+    older = decode_group([json.dumps(header).encode(), *frames[1:]])
+    assert older.timings == {} and older.completions[0].reward == group.completions[0].reward
+    header["timings"] = {"generate": 2.0}  # a subset is fine: the trainer sums what arrived
+    assert decode_group([json.dumps(header).encode(), *frames[1:]]).timings == {"generate": 2.0}
 
 
 @pytest.mark.parametrize(
@@ -668,6 +669,7 @@ def test_a_groups_sampler_timings_travel():
         ({"generate": float("nan")}, "finite"),
         ({"train": 1.0}, "unexpected"),
         ({"reward": "1"}, "finite"),
+        ([1.0, 2.0], "must be an object"),
     ],
 )
 def test_bad_timings_are_rejected(timings, match):

@@ -278,8 +278,13 @@ class RemoteExperience:
     def _stats(self, groups: list[Group], dropped: Counter, waited: float) -> dict:
         stats = {
             # the sampler's time for the groups of this batch (each carries its share of its
-            # generation batch); it overlaps the trainer's own time, unlike colocated runs
-            **{f"time_{name}": sum(g.timings.get(name, 0.0) for g in groups) for name in GROUP_TIMINGS},
+            # generation batch); it overlaps the trainer's own time, unlike colocated runs. A phase
+            # no group reported (a sampler that predates `timings`) is left out, not written as 0 s.
+            **{
+                f"time_{name}": sum(g.timings.get(name, 0.0) for g in groups)
+                for name in GROUP_TIMINGS
+                if any(name in g.timings for g in groups)
+            },
             "wait_seconds": waited,
             "groups_dropped_stale": dropped["stale"],
             "groups_dropped_future": dropped["future"],

@@ -244,71 +244,135 @@ def plot_run(run_dir: Path, out_dir: Path | None = None, *, smooth: int = 0) -> 
     return written
 
 
-# (figure, fields that mean the same thing across methods: the first one a run has is drawn, label)
+# (figure, fields that mean the same thing: the first one a run has is drawn, label, y range, whether
+# runs of different methods may share the figure: an accuracy does, a GRPO loss and an SFT loss or an
+# RM score margin and a DPO implicit-reward margin do not, so those are compared within a method)
 COMPARE = (
-    ("compare_accuracy.png", ("answer_accuracy",), "answer accuracy", (-0.02, 1.02)),
-    ("compare_reward.png", ("reward_mean",), "reward", None),
-    ("compare_loss.png", ("loss",), "training loss", None),
-    ("compare_eval_loss.png", ("eval_loss",), "held-out loss", None),
-    ("compare_eval_perplexity.png", ("eval_perplexity",), "held-out perplexity", None),
+    ("compare_accuracy.png", ("answer_accuracy",), "answer accuracy", (-0.02, 1.02), True),
+    ("compare_reward.png", ("reward_mean",), "reward", None, True),
+    ("compare_loss.png", ("loss",), "training loss", None, False),
+    ("compare_eval_loss.png", ("eval_loss",), "held-out loss", None, False),
+    ("compare_eval_perplexity.png", ("eval_perplexity",), "held-out perplexity", None, False),
     (
         "compare_preference_accuracy.png",
         ("accuracy", "reward_accuracy"),
         "chosen ranked first",
         (-0.02, 1.02),
+        True,
     ),
     (
         "compare_eval_preference_accuracy.png",
         ("eval_accuracy", "eval_reward_accuracy"),
         "held-out: chosen ranked first",
         (-0.02, 1.02),
+        True,
     ),
-    ("compare_margin.png", ("margin_mean", "reward_margin"), "chosen minus rejected", None),
+    # DPO's own implicit-reward margin first: Safe-MM-DPO rows also hold the data's reward-model margin
+    ("compare_margin.png", ("reward_margin", "margin_mean"), "chosen minus rejected", None, False),
+    (
+        "compare_eval_margin.png",
+        ("eval_reward_margin", "eval_margin_mean"),
+        "held-out: chosen minus rejected",
+        None,
+        False,
+    ),
 )
+
+
+def run_method(run_dir: Path) -> str | None:
+    """The `method` of a run's config.yaml (grpo, sft, rm, dpo, ppo); None without one."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return None
+    import yaml  # only `tandem plot` of several runs reads a config
+
+    config = yaml.safe_load(path.read_text())
+    method = config.get("method") if isinstance(config, dict) else None
+    return method if isinstance(method, str) else None
 
 
 def plot_runs(run_dirs: list[Path], out_dir: Path, *, smooth: int = 0) -> list[Path]:
     """Overlay several runs, one figure per quantity at least two of them recorded (GRPO/PPO:
     accuracy, reward, loss; SFT/RM/DPO: loss, held-out loss and perplexity, preference accuracy,
-    margins). Runs with nothing in common are a ValueError that says so; no empty folder is left."""
+    margins). Runs of different methods (their config.yaml's `method`) share only the figures
+    whose quantity means the same for both; losses and margins get one figure per method
+    (`compare_loss-<method>.png`). Nothing in common is a ValueError that says what each run
+    recorded; no empty folder is left."""
     if not run_dirs:
         raise ValueError("plot_runs needs at least one run folder")
     runs = [_load_rows(Path(d)) for d in run_dirs]
     names = [Path(d).resolve().name for d in run_dirs]
     if len(set(names)) < len(names):  # same folder name under different parents: label by full path
         names = [str(d) for d in run_dirs]
+    methods = [run_method(Path(d)) for d in run_dirs]
+    if len(set(methods)) > 1:
+        names = [f"{name} ({method or 'method unknown'})" for name, method in zip(names, methods)]
+    panels = compare_panels(names, runs, methods)
+    if not panels:
+        recorded = "; ".join(
+            f"{name}: {', '.join(f for f in _compared_fields() if _series(rows, f) is not None) or 'none'}"
+            for name, rows in zip(names, runs)
+        )
+        raise ValueError(
+            "nothing to compare: no two of these runs recorded a quantity that means the same for both "
+            f"(what each recorded: {recorded}). Runs of different methods share accuracy, reward and "
+            "preference accuracy only; losses and margins are compared between runs of the same method"
+        )
     out_dir = Path(out_dir)
-    written = []
-    for filename, fields, ylabel, ylim in COMPARE:
-        curves = []
-        for label, rows in zip(names, runs):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        _save(_compare_figure(curves, title, ylabel, ylim, smooth), out_dir / filename)
+        for filename, title, ylabel, ylim, curves in panels
+    ]
+
+
+def compare_panels(names: list[str], runs: list[list[dict]], methods: list[str | None]) -> list[tuple]:
+    """The compare figures to draw: (filename, title, ylabel, ylim, [(label, steps, values)]), one per
+    COMPARE entry that two runs share (per method where the quantity is the method's own)."""
+    mixed = len(set(methods)) > 1
+    panels = []
+    for filename, fields, ylabel, ylim, across_methods in COMPARE:
+        sets: dict[str | None, list] = {}  # method (None: all runs together) -> its curves
+        for label, rows, method in zip(names, runs, methods):
             field = next((f for f in fields if _series(rows, f) is not None), None)
             if field is not None:
                 steps = np.array([float(r["step"]) for r in rows])
-                curves.append(
-                    (label if len(fields) == 1 else f"{label} ({field})", steps, _series(rows, field))
+                label = label if len(fields) == 1 else f"{label}: {field}"
+                sets.setdefault(None if across_methods else method, []).append(
+                    (label, steps, _series(rows, field))
                 )
-        if len(curves) < 2:
-            continue
-        fig, (ax,) = _new_figure()
-        for label, steps, values in curves:
-            finite = np.isfinite(values)
-            if finite.sum() < len(values):  # sparse: evaluated every eval_steps
-                ax.plot(steps[finite], values[finite], marker="o", label=label)
+        for method, curves in sets.items():
+            if len(curves) < 2:
+                continue
+            if mixed and not across_methods:
+                kind = method or "method unknown"
+                name = f"{Path(filename).stem}-{method or 'unknown'}.png"
+                panels.append((name, f"{ylabel} ({len(curves)} {kind} runs)", ylabel, ylim, curves))
             else:
-                _line(ax, steps, values, label, smooth)
-        ax.set(title=f"{ylabel} ({len(curves)} runs)", ylabel=ylabel)
-        if ylim is not None:
-            ax.set_ylim(*ylim)
-        ax.legend(loc="best", fontsize="small")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        written.append(_save(fig, out_dir / filename))
-    if not written:
-        recorded = {
-            name: sorted({k for r in rows for k in r if k != "step"})[:6] for name, rows in zip(names, runs)
-        }
-        raise ValueError(
-            f"no quantity was recorded by two of these runs, so there is nothing to compare ({recorded}); "
-            "compare runs of the same method"
-        )
-    return written
+                panels.append((filename, f"{ylabel} ({len(curves)} runs)", ylabel, ylim, curves))
+    return panels
+
+
+def _compared_fields() -> list[str]:
+    return [f for _, fields, *_ in COMPARE for f in fields]
+
+
+def _compare_figure(
+    curves: list[tuple[str, np.ndarray, np.ndarray]],
+    title: str,
+    ylabel: str,
+    ylim: tuple[float, float] | None,
+    smooth: int,
+) -> Figure:
+    fig, (ax,) = _new_figure()
+    for label, steps, values in curves:
+        finite = np.isfinite(values)
+        if finite.sum() < len(values):  # sparse: evaluated every eval_steps
+            ax.plot(steps[finite], values[finite], marker="o", label=label)
+        else:
+            _line(ax, steps, values, label, smooth)
+    ax.set(title=title, ylabel=ylabel)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.legend(loc="best", fontsize="small")
+    return fig

@@ -16,7 +16,9 @@ multipart ZeroMQ message:
 An array descriptor is `{"frame": i, "dtype": "int32" | "float32", "shape": [n]}`; frame i must
 hold exactly n * itemsize bytes and descriptors name frames 1, 2, 3, ... in the order above.
 `whole_token_ids` is not sent: it is `prefix_token_ids + generated_token_ids`, rebuilt by
-`Group.whole_token_ids`. Control messages (`encode_control`) are a single header frame.
+`Group.whole_token_ids`. The header's optional `timings` object holds the sampler's seconds for
+the group ({"generate", "reference", "reward"}, each finite and >= 0); a sender that predates it
+leaves it out and still decodes. Control messages (`encode_control`) are a single header frame.
 
 Weights travel on the sync channel as one message per chunk of a flat buffer (`encode_weights_chunk`):
 frame 0 a header {schema, kind: "weights", request, index, count, offset, nbytes, hash, manifest}
@@ -41,7 +43,7 @@ import torch
 
 from tandem.types import GROUP_TIMINGS, Completion, Group, TensorSpec, WeightsManifest
 
-SCHEMA_VERSION = 2  # 2: groups carry their sampler `timings`
+SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 2**20
 MAX_METADATA_DEPTH = 32
 
@@ -52,8 +54,11 @@ _INT32_MAX = 2**31 - 1
 # the schema: exactly these keys, no more, no fewer (a change here is a SCHEMA_VERSION bump)
 _GROUP_KEYS = frozenset(
     {"schema", "kind", "group_id", "prompt_id", "prefix", "prefix_tokens", "prefix_token_ids"}
-    | {"policy_version", "sampler_id", "created_at", "metadata", "timings", "completions"}
+    | {"policy_version", "sampler_id", "created_at", "metadata", "completions"}
 )
+# keys added later, which a group may leave out: a sender that predates them still decodes (and
+# a reader that predates them refuses the group naming the key). `timings`: the sampler's seconds.
+_GROUP_OPTIONAL_KEYS = frozenset({"timings"})
 TIMING_NAMES = frozenset(GROUP_TIMINGS)
 _COMPLETION_KEYS = frozenset(
     {"text", "is_finished", "reward", "reward_info", "advantage", "generated_token_ids"}
@@ -196,7 +201,7 @@ def decode_group(frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES) -
     views = _byte_views(frames, max_bytes)
     header = _load_header(views[0])
     _check_schema(header, "group")
-    _check_keys(header, _GROUP_KEYS, "header")
+    _check_keys(header, _GROUP_KEYS, "header", optional=_GROUP_OPTIONAL_KEYS)
 
     raw_completions = header["completions"]
     if not isinstance(raw_completions, list):
@@ -232,7 +237,7 @@ def decode_group(frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES) -
         created_at=_finite(header["created_at"], "created_at"),
         metadata=metadata,
         prefix_tokens=_str_list(header["prefix_tokens"], "prefix_tokens"),
-        timings=_timings(header["timings"]),
+        timings=_timings(header.get("timings", {})),
     )
 
 
@@ -354,8 +359,10 @@ def _timings(timings: Any) -> dict[str, float]:
     return out
 
 
-def _check_keys(obj: dict, expected: frozenset[str], where: str) -> None:
-    missing, unexpected = expected - obj.keys(), obj.keys() - expected
+def _check_keys(
+    obj: dict, expected: frozenset[str], where: str, *, optional: frozenset[str] = frozenset()
+) -> None:
+    missing, unexpected = expected - obj.keys(), obj.keys() - expected - optional
     if missing:
         raise WireError(f"{where} is missing key(s) {sorted(missing)}")
     if unexpected:
