@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/grpo_tiny.yaml
 
-.PHONY: setup run test lint bench clean-runs
+.PHONY: setup run test lint bench gpu-check clean-runs
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,11 @@ test: setup
 
 lint: setup
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+# on a machine with CUDA (install the CUDA torch into the venv first): the gpu tests and short runs
+# of every GPU path; writes benchmarks/results/gpu_check.json. Without CUDA it stops at once.
+gpu-check: setup
+	$(PY) benchmarks/gpu_check.py $(ARGS)
 
 bench: setup
 	$(PY) benchmarks/grpo_step.py model.reference_offload=true

@@ -20,3 +20,14 @@ def tiny_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests need CUDA: skipped with the reason where there is none (`make gpu-check`
+    runs them on a machine with a GPU)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (make gpu-check runs these on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

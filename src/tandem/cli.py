@@ -176,36 +176,37 @@ def cmd_sample(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from tandem.launch import Nodes, default_devices, launch, parse_devices
+    from tandem.launch import (
+        Nodes,
+        choose_devices,
+        describe,
+        dry_run_config,
+        launch_children,
+        missing_gpus,
+        plan,
+    )
 
     cfg = _config(args)
-    # unset flags place the processes as `tandem grpo` does: by training.device and the GPUs here
-    # (a config that says cuda is never quietly run on the CPU)
-    if args.sampling_devices is None or args.training_devices is None:
-        default_sampling, default_training = default_devices(cfg)
-    sampling = (
-        parse_devices(args.sampling_devices, "--sampling-devices")
-        if args.sampling_devices is not None
-        else default_sampling
+    sampling, training = choose_devices(
+        cfg, args.sampling_devices, args.training_devices, dry_run=args.dry_run
     )
-    training = (
-        parse_devices(args.training_devices, "--training-devices")
-        if args.training_devices is not None
-        else default_training
-    )
-    if cfg.training.device.startswith("cuda") and "cpu" in training:
+    # a node without samplers checks only the trainer's side (no prompts, no reward functions);
+    # a dry run checks all but the device, so that it shows a GPU plan on any machine
+    command = "launch" if sampling or cfg.method in ("sft", "rm", "dpo") else "train"
+    _preflight(dry_run_config(cfg) if args.dry_run else cfg, command)
+    nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.launcher)
+    children = plan(args.config, args.overrides, cfg, sampling, training, nodes)
+    missing = missing_gpus(sampling + training)
+    if args.dry_run:
+        print(describe(children, cfg.run_dir, missing))
+        return 0
+    if missing is not None:
         from tandem.config import ConfigError
 
-        raise ConfigError(
-            f"`training.device` is {cfg.training.device} but --training-devices puts the trainer on the "
-            "CPU; give GPU ids (e.g. --training-devices 1), or set training.device=cpu"
-        )
-    # a node without samplers checks only the trainer's side (no prompts, no reward functions)
-    _preflight(cfg, "launch" if sampling or cfg.method in ("sft", "rm", "dpo") else "train")
-    nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.launcher)
+        raise ConfigError(f"{missing}; --dry-run prints the plan without starting it")
     if nodes.node_rank == 0:  # the other nodes share node 0's output_dir, or keep none
         _prepare_run_dir(cfg)
-    rc = launch(args.config, args.overrides, cfg, sampling, training, nodes)
+    rc = launch_children(children)
     if rc == 0:
         _finished(cfg)
     return rc
@@ -366,8 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     config_args(p)
     p.add_argument(
         "--sampling-devices",
-        help="one sampler per entry: cpu or GPU ids, e.g. 0 or 0,1; none: no sampler on this node "
-        "(default: as `tandem grpo` places them, by training.device and the GPUs present)",
+        help="one sampler per entry: cpu or GPU ids, e.g. 0 or 0,1 (indices count within an inherited "
+        "CUDA_VISIBLE_DEVICES; GPU-/MIG- UUIDs too); none: no sampler on this node (default: as "
+        "`tandem grpo` places them, by training.device and the GPUs present)",
     )
     p.add_argument(
         "--training-devices",
@@ -375,12 +377,20 @@ def build_parser() -> argparse.ArgumentParser:
         "torchrun/DeepSpeed; default: as `tandem grpo` places it)",
     )
     p.add_argument(
-        "--launcher", default="torchrun", choices=["torchrun", "deepspeed"], help="starts the ranks"
+        "--launcher",
+        default="torchrun",
+        choices=["torchrun", "deepspeed"],
+        help="starts the ranks (deepspeed: on one node, by GPU index)",
     )
     p.add_argument("--nnodes", type=int, default=1, help="nodes of the training job")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (0 runs the samplers)")
     p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, for the rendezvous")
     p.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print each process's command line and environment, start nothing (works without GPUs)",
+    )
     p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("check-comm", help="check both channels between hosts: latency, bandwidth, diagnosis")

@@ -224,6 +224,7 @@ class TrainingConfig:
     resume_from_checkpoint: str | None = None  # "latest" | path to checkpoints/step-N
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     num_threads: int = 0  # torch CPU threads, 0 = torch default
+    tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores (false: full fp32, slower)
     # none: one process | ddp | deepspeed (ZeRO) | auto: < 1B parameters ddp, 1-7B ZeRO-2, > 7B ZeRO-3
     distributed_strategy: str = "none"
     zero_stage: int = 2  # deepspeed: 1 (optimizer states) | 2 (+ gradients) | 3 (+ parameters) sharded
@@ -390,6 +391,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             pass
     if tp is str and isinstance(value, str):
         return value
+    if tp is str and value is False and "no" in _CHOICES.get(key, ()):  # YAML 1.1 reads a bare `no` as false
+        return "no"
     assert tp in (bool, int, float, str), f"config field `{key}` has an unsupported type {tp}"
     hint = "quote the value so YAML reads it as a string" if tp is str and value is not None else ""
     raise _type_error(key, tp, value, hint)

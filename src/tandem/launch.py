@@ -4,16 +4,23 @@
     tandem launch CONFIG --sampling-devices cpu,cpu --training-devices cpu
     tandem launch CONFIG --sampling-devices 0 --training-devices 1,2,3            # 3 trainer ranks
     tandem launch CONFIG --sampling-devices 0 --training-devices 1,2,3 --launcher deepspeed
+    tandem launch CONFIG --sampling-devices 0 --training-devices 1,2 --dry-run   # print the plan only
     # two nodes: on the first (samplers there), then on the second (none there)
     tandem launch CONFIG --sampling-devices 0 --training-devices 1,2,3 --nnodes 2 --node-rank 0 --master-addr HOST0
     tandem launch CONFIG --sampling-devices none --training-devices 0,1,2,3 --nnodes 2 --node-rank 1 --master-addr HOST0
 
-Each sampling device gets one sampler (`s0`, `s1`, ... in order); a GPU id is exposed to its
-child as CUDA_VISIBLE_DEVICES. Several training devices (or several nodes) make the trainer a
-torchrun (or `deepspeed` launcher) job with one rank per device; its rank 0, on node 0, is where
-the samplers send their groups (`pipeline.trainer_host`). A config whose
-`training.distributed_strategy` is none gets `auto` (DDP below 1B parameters, ZeRO otherwise). On the CPU the cores are split between the processes unless
-`sampling.num_threads` / `training.num_threads` say otherwise. The trainer keeps this terminal;
+Each sampling device gets one sampler (`s0`, `s1`, ... in order); a GPU is exposed to its child as
+CUDA_VISIBLE_DEVICES. GPU indices count within an inherited CUDA_VISIBLE_DEVICES (SLURM,
+containers): with CUDA_VISIBLE_DEVICES=4,5,6, device 1 is GPU 5; without one they are the
+machine's. GPU-/MIG- UUIDs pass through as they are. Several training devices (or several nodes)
+make the trainer a torchrun (or, on one node, `deepspeed` launcher) job with one rank per device;
+its rank 0, on node 0, is where the samplers send their groups (`pipeline.trainer_host`). Under
+torchrun the ranks share the trainer's CUDA_VISIBLE_DEVICES; the deepspeed launcher drops any it
+inherits and sets its own from `--include localhost:<GPUs>`. A config whose
+`training.distributed_strategy` is none gets `auto` (DDP below 1B parameters, ZeRO otherwise). On
+the CPU the cores are split between the processes unless `sampling.num_threads` /
+`training.num_threads` say otherwise. `plan` builds the children (commands and environments)
+without starting anything; `describe` is what `--dry-run` prints. The trainer keeps this terminal;
 the samplers write to `<run_dir>/logs/sampler-<id>.log`. Ctrl-C (SIGINT) and SIGTERM are
 forwarded to every child; when one child fails, the others are stopped and the launcher says
 which one failed and shows the end of its log. Children die with the launcher, however it dies
@@ -26,13 +33,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,14 +52,19 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 30.0  # after the trainer finished, or after Ctrl-C, before children are killed
 KEEP_GRACE_S = 10  # keep_group: after SIGTERM, before what is left of the group is killed
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+CVD = "CUDA_VISIBLE_DEVICES"
+GPU_UUID_PREFIXES = ("GPU-", "MIG-")  # what nvidia-smi -L names; CUDA takes them in CVD as they are
 
 
 @dataclass
 class Child:
     name: str
     cmd: list[str]
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # set over the launcher's environment
+    unset: list[str] = field(default_factory=list)  # removed from the launcher's environment
     log_path: Path | None = None  # None: share the launcher's terminal
+    gpus: str | None = None  # the CVD the process (each of its ranks) runs with; None: the CPU
+    where: str = ""  # where it runs, in words (the dry run's heading)
     proc: subprocess.Popen | None = None
 
 
@@ -66,17 +80,67 @@ class Nodes:
 
 
 def parse_devices(spec: str, option: str) -> list[str]:
-    """`cpu`, `cpu,cpu` or GPU ids `0,1`: one entry per process (sampling) or rank (training);
-    `none` (sampling only): no sampler on this node."""
+    """`cpu`, `cpu,cpu`, GPU indices `0,1` or GPU-/MIG- UUIDs: one entry per process (sampling)
+    or rank (training); `none` (sampling only): no sampler on this node."""
     if spec.strip() == "none" and option == "--sampling-devices":
         return []
     devices = [d.strip() for d in spec.split(",") if d.strip()]
     for d in devices:
-        if d != "cpu" and not d.isdigit():
-            raise ConfigError(f"{option} {spec!r}: each device is `cpu` or a GPU index, e.g. 0,1")
+        if d != "cpu" and not d.isdigit() and not d.startswith(GPU_UUID_PREFIXES):
+            raise ConfigError(
+                f"{option} {spec!r}: each device is `cpu`, a GPU index (e.g. 0,1) or a GPU-/MIG- UUID"
+            )
     if not devices:
         raise ConfigError(f"{option} is empty: give `cpu` or GPU indices such as 0,1")
     return devices
+
+
+def physical_gpus(devices: list[str], option: str, inherited: str | None) -> list[str]:
+    """The GPUs behind `devices` as the children's CUDA_VISIBLE_DEVICES must name them: an index
+    counts within the CUDA_VISIBLE_DEVICES this process inherited (`inherited`; None: the
+    machine's own numbering), so that 1 under CUDA_VISIBLE_DEVICES=4,5,6 is 5. UUIDs and cpu stay."""
+    if inherited is None:
+        return list(devices)
+    visible = [v.strip() for v in inherited.split(",") if v.strip()]
+    physical = []
+    for d in devices:
+        if d.isdigit() and int(d) >= len(visible):
+            seen = f"{len(visible)} GPU(s), indices 0..{len(visible) - 1}" if visible else "no GPU"
+            raise ConfigError(
+                f"{option}: GPU {d} is not in the inherited {CVD}={inherited} ({seen}); indices "
+                f"count within that list, so give one below {len(visible)}, a GPU- UUID, or unset {CVD}"
+            )
+        physical.append(visible[int(d)] if d.isdigit() else d)
+    return physical
+
+
+def choose_devices(
+    cfg: Config, sampling_spec: str | None, training_spec: str | None, *, dry_run: bool = False
+) -> tuple[list[str], list[str]]:
+    """`tandem launch`'s devices: the flags, or where unset as `tandem grpo` places them (by
+    training.device and the GPUs here: a config that says cuda is never quietly run on the CPU)."""
+    if sampling_spec is None or training_spec is None:
+        try:
+            default_sampling, default_training = default_devices(cfg)
+        except ConfigError as err:
+            if not dry_run:
+                raise
+            raise ConfigError(
+                f"{err}; or give --sampling-devices and --training-devices: --dry-run shows a GPU plan "
+                "on any machine"
+            ) from None
+    sampling = (
+        parse_devices(sampling_spec, "--sampling-devices") if sampling_spec is not None else default_sampling
+    )
+    training = (
+        parse_devices(training_spec, "--training-devices") if training_spec is not None else default_training
+    )
+    if cfg.training.device.startswith("cuda") and "cpu" in training:
+        raise ConfigError(
+            f"`training.device` is {cfg.training.device} but --training-devices puts the trainer on the "
+            "CPU; give GPU ids (e.g. --training-devices 1), or set training.device=cpu"
+        )
+    return sampling, training
 
 
 def default_devices(cfg: Config) -> tuple[list[str], list[str]]:
@@ -114,12 +178,25 @@ def plan(
     sampling_devices: list[str],
     training_devices: list[str],
     nodes: Nodes | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
 ) -> list[Child]:
+    """This node's children, nothing started and nothing written: each one's command, what it
+    changes in `environ` (the launcher's environment, os.environ by default) and its log. The
+    devices are the user's: GPU indices count within environ's CUDA_VISIBLE_DEVICES."""
     nodes = nodes or Nodes()
+    environ = os.environ if environ is None else environ
     if len(set(training_devices)) != len(training_devices) and "cpu" not in training_devices:
         raise ConfigError(f"--training-devices {','.join(training_devices)}: a GPU may hold one trainer rank")
     if "cpu" in training_devices and len(set(training_devices)) > 1:
         raise ConfigError("--training-devices: all ranks on the CPU (cpu,cpu) or all on GPUs (0,1), not both")
+    if nodes.launcher == "deepspeed" and nodes.nnodes > 1:
+        # its runner starts other nodes' ranks from a hostfile, over ssh; without one it refuses
+        raise ConfigError(
+            f"--launcher deepspeed with --nnodes {nodes.nnodes}: the deepspeed launcher needs a hostfile "
+            "and ssh for several nodes; use --launcher torchrun (the default), under which "
+            "training.distributed_strategy=deepspeed runs as well"
+        )
     # sft, rm and dpo learn from a fixed data set: trainer ranks only; grpo and ppo trainers take
     # groups from samplers (`tandem train` runs the loop of the config's method)
     supervised = cfg.method in ("sft", "rm", "dpo")
@@ -128,6 +205,8 @@ def plan(
         sampling_devices = []
     elif not sampling_devices and nodes.node_rank == 0:
         raise ConfigError("--sampling-devices none: node 0 must run the samplers (give e.g. cpu or 0)")
+    sampling_gpus = physical_gpus(sampling_devices, "--sampling-devices", environ.get(CVD))
+    training_gpus = physical_gpus(training_devices, "--training-devices", environ.get(CVD))
     base = [sys.executable, "-m", "tandem.cli"]
     head = [config_path] if config_path else []
     # the method travels with the overrides: `tandem train` and `tandem sample` default to grpo
@@ -144,46 +223,79 @@ def plan(
     if threads and not cfg.sampling.num_threads:
         sampler_extra.append(f"sampling.num_threads={threads}")
 
-    run_logs = cfg.run_dir / "logs"
-    children = []
-    train_dev = training_devices[0]
-    ranks = len(training_devices)
-    if ranks > 1 or nodes.nnodes > 1:
-        if cfg.training.distributed_strategy == "none":
-            trainer_extra.append("training.distributed_strategy=auto")
-        trainer = Child(
-            "trainer", distributed_launch(nodes, ranks) + [command, *head, *shared, *trainer_extra]
-        )
-    else:
-        trainer = Child("trainer", base + [command, *head, *shared, *trainer_extra])
-    if train_dev == "cpu":
-        trainer.cmd.append("training.device=cpu")
-        trainer.env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed (and its launcher) on the CPU
-    else:
-        trainer.env["CUDA_VISIBLE_DEVICES"] = ",".join(training_devices)
-        trainer.cmd.append("training.device=cuda")
-    children.append(trainer)
-    for i, dev in enumerate(sampling_devices):
+    children = [_trainer(command, [*head, *shared, *trainer_extra], cfg, training_gpus, nodes)]
+    for i, dev in enumerate(sampling_gpus):
         sid = f"s{i}"
         cmd = base + ["sample", *head, *shared, *sampler_extra, "--sampler-id", sid]
-        child = Child(f"sampler {sid}", cmd, log_path=run_logs / f"sampler-{sid}.log")
+        child = Child(f"sampler {sid}", cmd, log_path=cfg.run_dir / "logs" / f"sampler-{sid}.log")
         if dev == "cpu":
             child.cmd += ["--device", "cpu"]
+            child.where = "1 process on the CPU"
         else:
-            child.env["CUDA_VISIBLE_DEVICES"] = dev
+            child.env[CVD] = child.gpus = dev
             child.cmd += ["--device", "cuda:0"]
+            child.where = f"1 process, sees {CVD}={dev} (its cuda:0)"
         children.append(child)
     for child in children:
         child.env["TANDEM_LAUNCHED"] = "1"  # the launcher prints the run summary, not each child
     return children
 
 
-def distributed_launch(nodes: Nodes, ranks: int) -> list[str]:
-    """The torchrun (or deepspeed launcher) command that starts this node's trainer ranks."""
+def _trainer(command: str, args: list[str], cfg: Config, gpus: list[str], nodes: Nodes) -> Child:
+    """The trainer child: one process, or this node's ranks under torchrun / the deepspeed
+    launcher; `gpus` are physical (the children's CUDA_VISIBLE_DEVICES) or all `cpu`."""
+    ranks, on_cpu = len(gpus), gpus[0] == "cpu"
+    if ranks == 1 and nodes.nnodes == 1:
+        trainer = Child("trainer", [sys.executable, "-m", "tandem.cli", command, *args])
+        jobs = "1 process"
+    else:
+        if cfg.training.distributed_strategy == "none":
+            args = [*args, "training.distributed_strategy=auto"]
+        job = distributed_launch(nodes, ranks, None if on_cpu else gpus)
+        trainer = Child("trainer", [*job, command, *args])
+        node = f" (node {nodes.node_rank} of {nodes.nnodes})" if nodes.nnodes > 1 else ""
+        jobs = f"{ranks} rank{'s' if ranks > 1 else ''}{node} under {nodes.launcher}"
+    if on_cpu:
+        trainer.cmd.append("training.device=cpu")
+        trainer.env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed (and its launcher) on the CPU
+        trainer.where = f"{jobs} on the CPU"
+        return trainer
+    trainer.cmd.append("training.device=cuda")
+    if trainer.cmd[1:3] == ["-m", "deepspeed.launcher.runner"]:
+        # it drops an inherited CUDA_VISIBLE_DEVICES (saying it ignores it) and gives each rank
+        # the slots of --include, sorted: remove it here, so that nothing contradicts --include
+        trainer.unset.append(CVD)
+        trainer.gpus = ",".join(sorted(gpus, key=int))
+        trainer.where = f"{jobs}, which gives each {CVD}={trainer.gpus} (--include); rank r takes cuda:r"
+    else:
+        trainer.env[CVD] = trainer.gpus = ",".join(gpus)
+        sees = (
+            f"each rank sees {CVD}={trainer.gpus}; rank r takes cuda:r"
+            if ranks > 1
+            else f"sees {CVD}={trainer.gpus}"
+        )
+        trainer.where = f"{jobs}, {sees}"
+    return trainer
+
+
+def distributed_launch(nodes: Nodes, ranks: int, gpus: list[str] | None = None) -> list[str]:
+    """The torchrun (or deepspeed launcher) command that starts this node's `ranks` trainer ranks;
+    `gpus`: the physical GPUs of a deepspeed job (None: its ranks run on the CPU)."""
     if nodes.launcher == "deepspeed":
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", f"--num_gpus={ranks}"]
-        if nodes.nnodes > 1:  # no hostfile or ssh: each node starts its own ranks, as torchrun does
-            cmd += ["--no_ssh", f"--num_nodes={nodes.nnodes}", f"--node_rank={nodes.node_rank}"]
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
+        if gpus is None:  # CPU ranks: a count (DS_ACCELERATOR=cpu has one slot per NUMA node)
+            cmd.append(f"--num_gpus={ranks}")
+        else:
+            # not --num_gpus N, which takes GPUs 0..N-1: given any resource flag the runner ignores
+            # and drops CUDA_VISIBLE_DEVICES, then sets each rank's to the slots it chose; so the
+            # slots of --include are the physical GPUs, and indices only (it parses them as int)
+            uuids = [g for g in gpus if not g.isdigit()]
+            if uuids:
+                raise ConfigError(
+                    f"--launcher deepspeed picks GPUs by index (--include localhost:N,...), but a training "
+                    f"device is {uuids[0]}; give indices, or use --launcher torchrun"
+                )
+            cmd.append(f"--include=localhost:{','.join(gpus)}")
         cmd += [f"--master_addr={nodes.master_addr}", f"--master_port={nodes.master_port}"]
         return cmd + ["--no_local_rank", "--module", "tandem.cli"]
     return [
@@ -198,6 +310,73 @@ def distributed_launch(nodes: Nodes, ranks: int) -> list[str]:
         "-m",
         "tandem.cli",
     ]
+
+
+def command_line(child: Child) -> list[str]:
+    """What `Launcher.start` runs for `child`: the deepspeed launcher inside `keep_group`, since it
+    leaves its ranks running on SIGTERM."""
+    if child.cmd[1:3] == ["-m", "deepspeed.launcher.runner"]:
+        return [sys.executable, "-m", "tandem.launch", "--keep-group", *child.cmd]
+    return child.cmd
+
+
+def child_environ(child: Child, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment `child` starts with: the launcher's (`environ`), less `unset`, plus `env`."""
+    return {**{k: v for k, v in environ.items() if k not in child.unset}, **child.env}
+
+
+def missing_gpus(devices: list[str]) -> str | None:
+    """What this machine lacks for the GPU entries of `devices` (as the user gave them), or None."""
+    gpus = list(dict.fromkeys(d for d in devices if d != "cpu"))
+    if not gpus:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        return (
+            f"this machine has no CUDA device torch can use (torch {torch.__version__}, {build}), "
+            f"and the plan puts processes on GPU(s) {','.join(gpus)}"
+        )
+    count = torch.cuda.device_count()
+    beyond = [d for d in gpus if d.isdigit() and int(d) >= count]
+    if beyond:
+        return f"GPU {beyond[0]} is not among the {count} GPU(s) torch sees here (0..{count - 1})"
+    return None
+
+
+def describe(
+    children: list[Child],
+    run_dir: Path,
+    missing: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> str:
+    """What `tandem launch --dry-run` prints: one block per child with where it runs, what tandem
+    sets or removes in the launcher's environment (`environ`), its output and its command line."""
+    environ = os.environ if environ is None else environ
+    lines = [f"tandem launch --dry-run: {len(children)} process(es) on this node; none is started"]
+    if CVD in environ:
+        lines.append(f"inherited {CVD}={environ[CVD]}: the GPU indices given count within it")
+    for child in children:
+        lines += ["", f"{child.name}: {child.where}"]
+        for key, value in child.env.items():
+            was = environ.get(key)
+            lines.append(
+                f"  set    {key}={value}" + ("" if was in (None, value) else f"  (inherited: {was})")
+            )
+        lines += [f"  unset  {key}  (inherited: {environ[key]})" for key in child.unset if key in environ]
+        lines.append(f"  output {child.log_path or 'this terminal'}")
+        lines.append(f"  run    {shlex.join(command_line(child))}")
+    lines += ["", f"run folder {run_dir}: not created or changed by a dry run"]
+    if missing:
+        lines.append(f"note: {missing}; the plan is for a machine that has them")
+    return "\n".join(lines)
+
+
+def dry_run_config(cfg: Config) -> Config:
+    """`cfg` as the dry run's preflight checks it: training.device=cpu, so that a GPU plan can be
+    shown on a machine without GPUs (`missing_gpus` says what it lacks); all else is checked."""
+    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, device="cpu"))
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
@@ -275,19 +454,15 @@ class Launcher:
 
     def start(self) -> None:
         for child in self.children:
-            env = {**os.environ, **child.env}
             out = None
             if child.log_path is not None:
                 child.log_path.parent.mkdir(parents=True, exist_ok=True)
                 out = child.log_path.open("ab")
-            cmd = child.cmd
-            if cmd[1:3] == ["-m", "deepspeed.launcher.runner"]:  # it leaves its ranks behind on SIGTERM
-                cmd = [sys.executable, "-m", "tandem.launch", "--keep-group", *cmd]
             # a session of its own: the launcher alone decides when a child gets a signal, and
             # SIGTERM when the launcher is gone (called from this thread: its exit is what counts)
             child.proc = subprocess.Popen(
-                cmd,
-                env=env,
+                command_line(child),
+                env=child_environ(child, os.environ),
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,
                 start_new_session=True,
@@ -354,7 +529,14 @@ def launch(
     training_devices: list[str],
     nodes: Nodes | None = None,
 ) -> int:
-    launcher = Launcher(plan(config_path, overrides, cfg, sampling_devices, training_devices, nodes))
+    """`plan`, then `launch_children`: the decoupled `tandem grpo` / `tandem ppo`."""
+    return launch_children(plan(config_path, overrides, cfg, sampling_devices, training_devices, nodes))
+
+
+def launch_children(children: list[Child]) -> int:
+    """Start `children` (from `plan`) and wait: 0 when the trainer finished, else the failed
+    child's exit code, or 130 after Ctrl-C / SIGTERM."""
+    launcher = Launcher(children)
 
     def forward(signum, frame):
         raise KeyboardInterrupt

@@ -122,6 +122,14 @@ def test_wrong_type_names_key_and_value():
         config_from_dict({"rewards": [{"type": "answer", "weight": "heavy"}]})
 
 
+def test_a_bare_no_is_the_choice_no_where_a_key_has_it():
+    """YAML 1.1 reads `no` as false: `training.mixed_precision=no` is the user's "no", not a type
+    error; a string key without that choice still names the quoting fix."""
+    assert config_from_dict({"training": {"mixed_precision": False}}).training.mixed_precision == "no"
+    with pytest.raises(ConfigError, match="quote the value"):
+        config_from_dict({"training": {"lr_scheduler": False}})
+
+
 def test_bool_is_not_a_number():
     with pytest.raises(ConfigError, match=r"`sampling.num_generations` expects an integer, got True"):
         config_from_dict({"sampling": {"num_generations": True}})

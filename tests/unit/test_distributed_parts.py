@@ -3,6 +3,7 @@ the tensor form of a share, and the launch command lines."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -44,13 +45,28 @@ def test_generated_deepspeed_config_follows_the_yaml():
     )
     cfg = dsc.resolve(tc, world_size=4)
     assert cfg["train_batch_size"] == 2 * 4 * 4 and cfg["train_micro_batch_size_per_gpu"] == 2
-    assert cfg["gradient_clipping"] == 0.5 and cfg["bf16"] == {"enabled": True} and not cfg["fp16"]["enabled"]
+    assert cfg["gradient_clipping"] == 0.5 and not cfg["fp16"]["enabled"]
+    # bf16 as DDP computes it: fp32 parameters under torch.autocast, gradients reduced in fp32
+    assert cfg["bf16"] == {"enabled": False}
+    assert cfg["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     zero = cfg["zero_optimization"]
     assert (
         zero["stage"] == 3
         and zero["offload_optimizer"]["device"] == "cpu"
         and zero["offload_param"]["device"] == "cpu"
     )
+
+
+def test_a_deepspeed_json_that_chooses_bf16_keeps_deepspeeds_mode(tmp_path):
+    """bf16 "auto" (or absent) follows the YAML the DDP way; a file that says bf16.enabled: true
+    gets DeepSpeed's own bf16 mode, as written."""
+    tc = TrainingConfig(distributed_strategy="deepspeed", mixed_precision="bf16")
+    for bf16, autocast in (({"enabled": "auto"}, True), (None, True), ({"enabled": True}, False)):
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": 2}} | ({"bf16": bf16} if bf16 else {})))
+        cfg = dsc.resolve(dataclasses.replace(tc, deepspeed_config=str(path)), world_size=2)
+        assert cfg["bf16"]["enabled"] is not autocast
+        assert cfg.get("torch_autocast", {}).get("enabled", False) is autocast
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -63,7 +79,7 @@ def test_shipped_json_files_fill_auto_from_the_yaml(stage):
         offload_optimizer="cpu",
     )
     cfg = dsc.resolve(tc, world_size=2)
-    assert "auto" not in json.dumps(cfg)
+    assert '"auto"' not in json.dumps(cfg)
     assert cfg["train_batch_size"] == 16 and cfg["gradient_accumulation_steps"] == 2
     assert cfg["zero_optimization"]["stage"] == stage  # the file's own stage
     assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
@@ -153,7 +169,13 @@ def test_share_tensors_round_trip():
 def test_launch_builds_torchrun_and_deepspeed_command_lines():
     cfg = load_config(None, [])
     children = plan(
-        None, [], cfg, ["0"], ["1", "2", "3"], Nodes(nnodes=2, node_rank=0, master_addr="10.0.0.1")
+        None,
+        [],
+        cfg,
+        ["0"],
+        ["1", "2", "3"],
+        Nodes(nnodes=2, node_rank=0, master_addr="10.0.0.1"),
+        environ={},  # no inherited CUDA_VISIBLE_DEVICES: the indices are physical
     )
     trainer = children[0]
     assert trainer.cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
@@ -171,7 +193,7 @@ def test_launch_builds_torchrun_and_deepspeed_command_lines():
     assert ds.cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"] and "--num_gpus=2" in ds.cmd
     assert "training.device=cpu" in ds.cmd
 
-    node1 = plan(None, [], cfg, [], ["0", "1"], Nodes(nnodes=2, node_rank=1))
+    node1 = plan(None, [], cfg, [], ["0", "1"], Nodes(nnodes=2, node_rank=1), environ={})
     assert [c.name for c in node1] == ["trainer"]
     with pytest.raises(ConfigError, match="node 0 must run the samplers"):
         plan(None, [], cfg, [], ["0"], Nodes())
@@ -201,3 +223,13 @@ shutdown(env)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-3:] == ["True", str(5 * 1024 * 1024), "False"]
+
+
+def test_a_cuda_group_maps_cpu_tensors_to_gloo():
+    """nccl moves only CUDA tensors; the loops' collectives move small CPU tensors (broadcast_json,
+    scatter_tensor_dicts), so a CUDA group is device-mapped. gloo alone stays gloo on any device."""
+    from tandem.distributed.env import process_group_backend
+
+    assert process_group_backend("nccl", "cuda") == "cpu:gloo,cuda:nccl"
+    assert process_group_backend("gloo", "cuda") == "gloo"
+    assert process_group_backend("gloo", "cpu") == "gloo"

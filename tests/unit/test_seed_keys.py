@@ -210,7 +210,9 @@ def test_an_hf_style_zero3_json_has_every_auto_filled(tmp_path):
     )
     config = deepspeed_config.resolve(tc, world_size=2, hidden_size=576)
     assert config["train_batch_size"] == 2 * 3 * 2
-    assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
+    # bf16 "auto" follows training.mixed_precision the way DDP computes it (fp32 parameters, autocast)
+    assert config["torch_autocast"]["enabled"] is True and config["torch_autocast"]["dtype"] == "bfloat16"
+    assert config["bf16"]["enabled"] is False and config["fp16"]["enabled"] is False
     assert config["optimizer"]["params"] == {
         "lr": 3e-6,
         "betas": [0.8, 0.95],
@@ -228,7 +230,7 @@ def test_an_hf_style_zero3_json_has_every_auto_filled(tmp_path):
     assert zero["reduce_bucket_size"] == 576 * 576 == 331776
     assert zero["stage3_prefetch_bucket_size"] == math.floor(0.9 * 576 * 576) == 298598
     assert zero["stage3_param_persistence_threshold"] == 5760
-    assert "auto" not in json.dumps(config)
+    assert '"auto"' not in json.dumps(config)
 
 
 def test_an_auto_nobody_fills_is_named(tmp_path):

@@ -97,7 +97,7 @@ def resolve(
     YAML's value, or for the buckets HF's sizes from the model's `hidden_size`."""
     ours = generated(tc, world_size, stage)
     if tc.deepspeed_config is None:
-        return ours
+        return bf16_as_autocast(ours)
     path = Path(tc.deepspeed_config)
     try:
         theirs = json.loads(path.read_text())
@@ -105,7 +105,10 @@ def resolve(
         raise ConfigError(f"`training.deepspeed_config`: no file {path}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"`training.deepspeed_config`: {path} is not valid JSON ({e})") from None
+    chose_bf16 = isinstance(theirs.get("bf16"), dict) and theirs["bf16"].get("enabled") is True
     merged = _merge(theirs, ours, path)
+    if not chose_bf16 and "torch_autocast" not in theirs:  # the file left precision to the YAML
+        merged = bf16_as_autocast(merged)
     _fill_optimizer(merged, tc)
     _fill_buckets(merged, hidden_size, path)
     left = _autos(merged)
@@ -115,6 +118,23 @@ def resolve(
             "nor HF's integration fills; give a value there"
         )
     return merged
+
+
+def bf16_as_autocast(config: dict) -> dict:
+    """bf16 the way DDP does it: fp32 parameters, gradients and master weights, the forward under
+    torch.autocast (DeepSpeed's `torch_autocast` section), every gradient reduced in fp32 (no
+    "lower precision safe" modules). DeepSpeed's own `bf16` mode would keep the parameters in bf16
+    and switch tandem's autocast off inside the engine, so a ZeRO run would compute differently from
+    a DDP or single-process run of the same config. Model states then cost 4 + 4 + 8 = 16 bytes per
+    parameter, as DeepSpeed's bf16 mode does (2 + 2 + 4 master + 8), sharded alike; ZeRO-3 gathers
+    fp32 parameters (twice the bytes of bf16 ones). A DeepSpeed JSON that sets `bf16.enabled: true`
+    itself keeps DeepSpeed's mode. fp16 stays DeepSpeed's own (its dynamic loss scaling: the
+    autocast path has no scaler under ZeRO)."""
+    if not config.get("bf16", {}).get("enabled"):
+        return config
+    out = {**config, "bf16": {**config["bf16"], "enabled": False}}
+    out["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    return out
 
 
 def _fill_optimizer(config: dict, tc: TrainingConfig) -> None:

@@ -117,8 +117,15 @@ class TorchEngine:
                 "training.distributed_strategy=deepspeed, or start a new run from its weights "
                 f"with model.policy={folder / 'model'}"
             )
-        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
-        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        # onto this rank's own device: without map_location every rank would first put the state
+        # where it was saved (rank 0's GPU) and fill that GPU N times over
+        device = next(self.module.parameters()).device
+        self.optimizer.load_state_dict(
+            torch.load(folder / "optimizer.pt", map_location=device, weights_only=True)
+        )
+        self.scheduler.load_state_dict(
+            torch.load(folder / "scheduler.pt", map_location="cpu", weights_only=True)
+        )
 
 
 class DeepSpeedEngine:

@@ -81,8 +81,21 @@ def init_distributed(
     if not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            process_group_backend(backend, device_type), timeout=datetime.timedelta(seconds=timeout_s)
+        )
     return DistEnv(rank=rank, world_size=dist.get_world_size(), local_rank=local_rank, backend=backend)
+
+
+def process_group_backend(backend: str, device_type: str) -> str:
+    """The backend string for init_process_group. nccl moves only CUDA tensors, and the loops' own
+    collectives (`broadcast_json`, `all_reduce_sum`, `scatter_tensor_dicts`) move small CPU
+    tensors, so a CUDA run maps each device type to its backend: CPU tensors over gloo, CUDA
+    tensors over nccl. gloo alone (`training.dist_backend: gloo`, for GPUs where nccl cannot run,
+    such as some vGPUs) moves both."""
+    if backend == "nccl" and device_type == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    return backend
 
 
 def shutdown(env: DistEnv, *, clean: bool = True) -> None:

@@ -46,7 +46,7 @@ from tandem.config import Config
 from tandem.models.loading import load_tokenizer
 from tandem.models.lora import adapter_parameters, is_lora
 from tandem.sampler.rollout import build_rollout, prompt_stream
-from tandem.trainer.runtime import resolve_device, set_seed, set_threads
+from tandem.trainer.runtime import resolve_device, set_seed, set_threads, use_device
 from tandem.transport.channel import GroupSender
 from tandem.transport.weights import (
     FsWeightReader,
@@ -96,6 +96,7 @@ class Sampler:
         set_seed(cfg.seed + salt)
         set_threads(cfg.sampling.num_threads)
         self.device = resolve_device(device)
+        use_device(self.device, tf32=cfg.training.tf32)  # the trainer's matmul precision, as it scores
         tokenizer = load_tokenizer(
             cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code
         )

@@ -64,6 +64,8 @@ def save_checkpoint(
                 if write_extra is not None:
                     write_extra(tmp)
         rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # dropout and the like on the GPU
+            rng["cuda"] = torch.cuda.get_rng_state()
         if generator is not None:
             rng["generator"] = generator.get_state()
         torch.save(rng, tmp / f"rng-{env.rank}.pt")
@@ -222,8 +224,10 @@ def load_checkpoint(path: Path, *, engine, env: DistEnv, generator: torch.Genera
     rng_file = path / f"rng-{env.rank}.pt"
     if not rng_file.is_file():
         rng_file = path / "rng-0.pt"
-    rng = torch.load(rng_file, weights_only=True)
+    rng = torch.load(rng_file, map_location="cpu", weights_only=True)
     torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():  # this rank's current device (set at start-up)
+        torch.cuda.set_rng_state(rng["cuda"])
     if generator is not None and "generator" in rng:
         generator.set_state(rng["generator"])
     set_python_rng_state(state.pop("python_rng"))

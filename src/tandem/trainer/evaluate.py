@@ -21,7 +21,7 @@ from tandem.preflight import check_dataset, check_device
 from tandem.rewards.gsm8k import answer_reward, format_reward
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.rollout import Rollout
-from tandem.trainer.runtime import resolve_device
+from tandem.trainer.runtime import resolve_device, use_device
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,9 @@ def evaluate(
 
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(spec)
-    policy = load_causal_lm(spec, dtype=dtype, trainable=False, device=resolve_device(device))
+    where = resolve_device(device)
+    use_device(where)
+    policy = load_causal_lm(spec, dtype=dtype, trainable=False, device=where)
     rollout = Rollout(
         policy=policy,
         reference=None,

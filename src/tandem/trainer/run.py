@@ -28,6 +28,7 @@ from tandem.trainer.runtime import (
     set_seed,
     set_threads,
     trim_memory_in_training,
+    use_device,
 )
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def run_distributed(cfg: Config, train: Callable[[Config, DistEnv, torch.device]
     env = init_distributed(tc.distributed_strategy, device.type, tc.dist_backend, tc.dist_timeout_s)
     if device.type == "cuda" and env.active:
         device = torch.device("cuda", env.local_rank)
+    use_device(device, tf32=tc.tf32)
     tc.mixed_precision, why = resolve_mixed_precision(tc.mixed_precision, device)
     if why != "as configured" and env.is_main:
         log.info("training.mixed_precision auto -> %s: %s", tc.mixed_precision, why)
