@@ -193,12 +193,21 @@ def cmd_launch(args) -> int:
     # a node without samplers checks only the trainer's side (no prompts, no reward functions);
     # a dry run checks all but the device, so that it shows a GPU plan on any machine
     command = "launch" if sampling or cfg.method in ("sft", "rm", "dpo") else "train"
-    _preflight(dry_run_config(cfg) if args.dry_run else cfg, command)
+    problem = None
+    if args.dry_run:  # the plan is shown whatever this machine lacks; what would stop a run is said
+        try:
+            _preflight(dry_run_config(cfg), command)
+        except USER_ERRORS as err:
+            problem = str(err)
+    else:
+        _preflight(cfg, command)
     nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.launcher)
     children = plan(args.config, args.overrides, cfg, sampling, training, nodes)
     missing = missing_gpus(sampling + training)
     if args.dry_run:
         print(describe(children, cfg.run_dir, missing))
+        if problem:
+            print(f"\non this machine the run would stop before starting: {problem}")
         return 0
     if missing is not None:
         from tandem.config import ConfigError

@@ -431,4 +431,4 @@ def test_zero_in_bf16_computes_as_ddp_does(tiny_model_dir, tmp_path):
     assert record["engine"] == "DeepSpeedEngine"
     worst = max(float((params[k].float() - v.float()).abs().max()) for k, v in ref.items())
     assert all(p.dtype == torch.float32 for p in params.values())
-    assert worst < 2e-5, worst
+    assert worst < 1e-6, worst  # measured 1.5e-8

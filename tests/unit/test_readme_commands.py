@@ -18,9 +18,10 @@ PLACEHOLDERS = {"CONFIG": "configs/grpo_tiny.yaml", "HOST": "127.0.0.1"}
 METHOD_COMMANDS = {"grpo", "sft", "rm", "dpo", "ppo"}
 
 
-def readme_commands() -> list[tuple[int, list[str]]]:
+def readme_commands(*, placeholders: bool = True) -> list[tuple[int, list[str]]]:
     """(line number, argv after `tandem`) for each tandem command in a ```bash block: direct,
-    through .venv/bin/tandem, or `-m tandem.cli` / `--module tandem.cli` under a launcher."""
+    through .venv/bin/tandem, or `-m tandem.cli` / `--module tandem.cli` under a launcher.
+    placeholders=False: only the commands that name everything themselves (no CONFIG, no HOST)."""
     text = (REPO / "README.md").read_text()
     found = []
     for block in re.finditer(r"```bash\n(.*?)```", text, re.S):
@@ -33,7 +34,8 @@ def readme_commands() -> list[tuple[int, list[str]]]:
                     token == "tandem.cli" and tokens[i - 1] in ("-m", "--module")
                 ):
                     argv = [PLACEHOLDERS.get(t, t) for t in tokens[i + 1 :]]
-                    found.append((first_line + offset, argv))
+                    if placeholders or not set(tokens) & PLACEHOLDERS.keys():
+                        found.append((first_line + offset, argv))
                     break
     return found
 
@@ -59,6 +61,30 @@ def test_a_readme_command_parses_and_its_config_loads(line, argv):
     cfg = load_config(args.config, [*args.overrides, *extra], method=method)
     if args.command in ("train", "sample"):
         assert cfg.method in ("grpo", "ppo")
+
+
+LAYOUTS = [(n, argv) for n, argv in readme_commands(placeholders=False) if argv[:1] == ["launch"]]
+
+
+@pytest.mark.parametrize("line, argv", LAYOUTS, ids=[f"README:{n}" for n, _ in LAYOUTS])
+def test_a_readme_launch_layout_validates_at_its_world_size(line, argv):
+    """The GPU layouts the README shows (e.g. the seeds' sampler on GPU 0 and two trainer ranks)
+    pass the batch check at the world size they launch: training devices x nodes."""
+    from tandem.config import validate_batch
+
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    devices = [d for d in (args.training_devices or "cpu").split(",") if d]
+    validate_batch(cfg, world_size=len(devices) * args.nnodes)
+
+
+def test_the_readme_shows_the_seeds_gpu_layout():
+    seeds = [
+        argv
+        for _, argv in LAYOUTS
+        if "--sampling-devices" in argv and argv[argv.index("--training-devices") + 1] == "1,2"
+    ]
+    assert seeds and any("--dry-run" in argv for argv in seeds)
 
 
 def test_the_cheap_readme_commands_run(tmp_path, monkeypatch, capsys):
