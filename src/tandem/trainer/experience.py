@@ -86,6 +86,13 @@ class LocalExperience:
         pass
 
 
+def publishes_at(cfg, step: int) -> bool:
+    """Whether optimizer step `step` ends with a weight publish to the samplers (decoupled runs,
+    every pipeline.sync_every steps). Every rank can tell, so under ZeRO-3 the ranks gather the
+    full parameters only for the steps that publish, not after every step."""
+    return cfg.pipeline.mode == "decoupled" and step % cfg.pipeline.sync_every == 0
+
+
 @torch.no_grad()
 def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """Copy the trained weights into the rollout copy (casting to its dtype); no-op when shared."""
@@ -212,7 +219,7 @@ class RemoteExperience:
         self.publisher.set_status(batches=self.batches, take_versions=tuple(takes))
 
     def on_step(self, policy: torch.nn.Module, step: int) -> dict:
-        if step % self.cfg.pipeline.sync_every:
+        if not publishes_at(self.cfg, step):
             return {}
         self.version += 1
         self._announce()  # before the new version is visible: its pacing horizon comes first

@@ -9,6 +9,7 @@ batches of micro_batch_size x gradient_accumulation_steps sequences, num_iterati
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
@@ -42,7 +43,7 @@ from tandem.trainer.batching import (
     split_across_ranks,
     split_micro_batches,
 )
-from tandem.trainer.experience import LocalExperience, RemoteExperience
+from tandem.trainer.experience import LocalExperience, RemoteExperience, publishes_at
 from tandem.trainer.metrics import MetricsLogger, write_samples
 from tandem.trainer.run import export_final, load_policy, open_run, run_distributed
 from tandem.trainer.runtime import autocast, peak_rss_gb
@@ -140,7 +141,8 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
                     train_stats = optimizer_step(engine, share, cfg, device, env)
                     step += 1
                     sync_stats = {}
-                    with engine.gathered():
+                    # ZeRO-3: every rank gathers the full parameters, so only for a step that publishes
+                    with engine.gathered() if publishes_at(cfg, step) else contextlib.nullcontext():
                         if env.is_main:
                             # versions between the weights that sampled this batch and the ones updated now
                             staleness = statistics.fmean(

@@ -23,6 +23,7 @@ TRL's classic value-head PPO). Checkpoints and final/ hold the policy plus value
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -40,6 +41,7 @@ from tandem.models.value_head import ValueHeadModel
 from tandem.trainer import checkpoint as ckpt
 from tandem.trainer import run
 from tandem.trainer.batching import MicroBatch, Sample, collate, flatten_groups, split_micro_batches
+from tandem.trainer.experience import publishes_at
 from tandem.trainer.grpo import (
     PER_BATCH_TIMES,
     Share,
@@ -141,7 +143,8 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
                     train_stats = optimizer_step(engine, batch, cfg, device, env)
                     step += 1
                     sync_stats = {}
-                    with engine.gathered():
+                    # ZeRO-3: every rank gathers the full parameters, so only for a step that publishes
+                    with engine.gathered() if publishes_at(cfg, step) else contextlib.nullcontext():
                         if env.is_main:
                             # versions between the weights that sampled this batch and the ones updated now
                             staleness = statistics.fmean(

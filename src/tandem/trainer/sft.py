@@ -19,7 +19,7 @@ from tandem.data.sft import EncodedExample, PromptStyle, encode_examples, load_s
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import DistEnv, all_reduce_sum
 from tandem.models.attention import SegmentLayout
-from tandem.models.forward import PackedRows
+from tandem.models.forward import PackedRows, SequenceLayout
 from tandem.trainer import run
 from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
 from tandem.trainer.runtime import autocast
@@ -256,6 +256,7 @@ def pack_examples(rows: list[list[tuple[list[int], int]]], pad_id: int = 0) -> P
     segment = torch.full((len(rows), width), -1, dtype=torch.long)  # pads: -1, they see only pads
     pred_rows, pred_cols, targets, lengths = [], [], [], []
     segments = []  # for segment attention: a row's first example is its prefix, the others see only themselves
+    sequences = []  # for flash-attention: every example alone
     for r, row in enumerate(rows):
         start = 0
         for k, (ids, first) in enumerate(row):
@@ -266,6 +267,7 @@ def pack_examples(rows: list[list[tuple[list[int], int]]], pad_id: int = 0) -> P
             segment[r, start : start + n] = k
             if k:
                 segments.append((r, start, n, False))
+            sequences.append([(r, start, n)])
             # token t is predicted at the column of token t-1
             pred_rows += [r] * (n - first)
             pred_cols += range(start + first - 1, start + n - 1)
@@ -284,4 +286,5 @@ def pack_examples(rows: list[list[tuple[list[int], int]]], pad_id: int = 0) -> P
         targets=torch.tensor(targets, dtype=torch.long),
         completion_lengths=lengths,
         layout=SegmentLayout.build(width, [len(row[0][0]) if row else 0 for row in rows], segments),
+        sequences=SequenceLayout.build(len(rows), width, sequences),
     )
