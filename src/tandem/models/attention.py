@@ -16,6 +16,12 @@ back to packed positions. The result equals the dense-mask attention up to round
 tests compare both, values and gradients); padding positions get arbitrary values, as they do
 under the dense mask, and nothing reads them.
 
+On CUDA the key/value heads are repeated to the query heads before SDPA: its `enable_gqa` runs
+only on the flash and math kernels, and the segment call's mask rules out flash, so grouped heads
+leave that call (and, in fp32, the prefix call) on the math kernel. Expanded, the mask-free
+prefix call can take the flash kernel and the masked segment call the memory-efficient one. On
+the CPU the calls keep `enable_gqa`, as tuned there.
+
 The model's forward receives the layout as the keyword `segment_layout`, which transformers
 passes down to every attention call. A decode step (one new token per row) goes to
 `decode_attention`, two batched matmuls instead of SDPA's CPU kernel (0.75 instead of 0.95 ms per
@@ -85,13 +91,21 @@ class SegmentLayout:
 
 
 def segment_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SegmentLayout, scale: float | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: SegmentLayout,
+    scale: float | None,
+    *,
+    expand_heads: bool | None = None,
 ) -> torch.Tensor:
-    """query [R, H, L, D], key/value [R, K, L, D] (K divides H) -> output [R, L, H, D]."""
+    """query [R, H, L, D], key/value [R, K, L, D] (K divides H) -> output [R, L, H, D].
+    `expand_heads`: repeat the key/value heads instead of SDPA's enable_gqa (default: on CUDA)."""
     num_rows, num_heads, width, head_dim = query.shape
     num_segments, longest = layout.query_index.shape
     prefix = layout.prefix_width
-    gqa = key.shape[1] != num_heads
+    if expand_heads is None:
+        expand_heads = query.is_cuda
 
     def gather(x: torch.Tensor) -> torch.Tensor:  # [R, h, L, D] -> [S, h, C, D]
         flat = x.transpose(1, 2).reshape(num_rows * width, x.shape[1], head_dim)
@@ -100,13 +114,14 @@ def segment_attention(
 
     parts = []
     if prefix:
-        prefix_out = F.scaled_dot_product_attention(
+        prefix_out = _sdpa(
             query[:, :, :prefix],
             key[:, :, :prefix],
             value[:, :, :prefix],
+            None,
+            scale,
             is_causal=True,
-            scale=scale,
-            enable_gqa=gqa,
+            expand_heads=expand_heads,
         )  # [R, H, P, D]
         parts.append(prefix_out.transpose(1, 2).reshape(num_rows * prefix, num_heads, head_dim))
     if num_segments:
@@ -114,12 +129,38 @@ def segment_attention(
         if prefix:
             seg_key = torch.cat([key[:, :, :prefix].index_select(0, layout.rows), seg_key], dim=2)
             seg_value = torch.cat([value[:, :, :prefix].index_select(0, layout.rows), seg_value], dim=2)
-        seg_out = F.scaled_dot_product_attention(
-            gather(query), seg_key, seg_value, attn_mask=layout.mask, scale=scale, enable_gqa=gqa
+        seg_out = _sdpa(
+            gather(query), seg_key, seg_value, layout.mask, scale, is_causal=False, expand_heads=expand_heads
         )  # [S, H, C, D]
         parts.append(seg_out.transpose(1, 2).reshape(num_segments * longest, num_heads, head_dim))
     flat = torch.cat(parts) if len(parts) > 1 else parts[0]
     return flat.index_select(0, layout.output_index).view(num_rows, width, num_heads, head_dim)
+
+
+def _sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    *,
+    is_causal: bool,
+    expand_heads: bool,
+) -> torch.Tensor:
+    """SDPA with K key/value heads for H query heads: repeated to H (each key head's copies side by
+    side, as enable_gqa pairs them) or left to enable_gqa."""
+    repeat = query.shape[1] // key.shape[1]
+    if expand_heads and repeat > 1:
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    return F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=repeat > 1 and not expand_heads,
+    )
 
 
 def decode_attention(
