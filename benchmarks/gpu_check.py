@@ -75,8 +75,8 @@ def plan(device: str, model: str | None) -> list[Check]:
     checks = [
         Check(
             "gpu-tests",
-            "the gpu-marked tests (tests/gpu)",
-            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu"],
+            "the gpu-marked tests (tests/gpu and every test marked gpu)",
+            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests"],
             kind="tests",
         )
     ]
