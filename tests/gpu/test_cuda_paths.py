@@ -160,3 +160,13 @@ def test_tf32_is_on_for_cuda_runs_unless_turned_off():
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     use_device(CUDA, tf32=False)
     assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+
+
+def test_no_host_heap_trimming_on_a_gpu(tiny_model):
+    """malloc_trim between phases and inside the training pass is a CPU remedy (the CPU's tensors
+    fill the host heap); on a GPU it would only cost time."""
+    from tandem.trainer import runtime
+
+    model = copy.deepcopy(tiny_model).to(CUDA)
+    runtime.use_device(CUDA)
+    assert runtime.trim_memory_in_training(model) == 0 and not runtime._TRIM

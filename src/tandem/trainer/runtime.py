@@ -28,6 +28,8 @@ def use_device(device: torch.device, *, tf32: bool = True) -> None:
     mantissa in the products and fp32 accumulation). Nothing on the CPU."""
     if device.type != "cuda":
         return
+    global _TRIM
+    _TRIM = False  # the tensors live on the GPU: the host heap stays small, nothing to hand back
     if device.index is not None:
         torch.cuda.set_device(device)
     precision = "tf32" if tf32 else "ieee"
@@ -101,6 +103,9 @@ def _libc():
 _LIBC = _libc()
 
 
+_TRIM = True  # off once this process computes on a GPU (use_device)
+
+
 def trim_memory() -> None:
     """Hand the heap's free pages back to the OS (glibc malloc_trim); called at phase boundaries
     (after each backward, the optimizer step, generation, the reference pass).
@@ -110,7 +115,7 @@ def trim_memory() -> None:
     Trimming between phases gives it back for about nothing; the alternative, a 1 MiB mmap
     threshold (every large tensor its own mapping), costs a third of the training step in page
     faults (measured: benchmarks/grpo_step.py, README "GRPO step")."""
-    if _LIBC is not None:
+    if _LIBC is not None and _TRIM:
         _LIBC.malloc_trim(0)
 
 
