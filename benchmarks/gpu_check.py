@@ -116,8 +116,23 @@ def plan(device: str, model: str | None) -> list[Check]:
         ("ddp-gloo", "DDP group of one over gloo alone (vGPU setups)", "colocated", "bf16", "ddp", "gloo"),
         ("zero2-nccl", "DeepSpeed ZeRO-2 group of one over nccl", "colocated", "bf16", "zero2", "nccl"),
         ("zero2-gloo", "DeepSpeed ZeRO-2 group of one over gloo", "colocated", "bf16", "zero2", "gloo"),
-        ("zero3-nccl", "DeepSpeed ZeRO-3 group of one over nccl", "colocated", "bf16", "zero3", "nccl"),
-        ("zero3-gloo", "DeepSpeed ZeRO-3 group of one over gloo", "colocated", "bf16", "zero3", "gloo"),
+        # ZeRO-3 shards the policy, so it cannot generate in the trainer: decoupled, sampler beside it
+        (
+            "zero3-nccl",
+            "DeepSpeed ZeRO-3 group of one over nccl, fed by a sampler",
+            "decoupled",
+            "bf16",
+            "zero3",
+            "nccl",
+        ),
+        (
+            "zero3-gloo",
+            "DeepSpeed ZeRO-3 group of one over gloo, fed by a sampler",
+            "decoupled",
+            "bf16",
+            "zero3",
+            "gloo",
+        ),
     ]
     for name, what, mode, precision, strategy, backend in runs:
         if not gpu:  # the CPU self-check: fp32, gloo (what this CPU can run)
