@@ -140,12 +140,17 @@ def take_snapshot(
     specs, offset = snapshot_layout(items, dtype)
     reuse = out is not None and out.numel() == offset
     flat = out if reuse else torch.empty(offset, dtype=torch.uint8)
+    # from a GPU into page-locked memory: every copy queued at once, one wait at the end (a copy into
+    # pageable memory, such as a /dev/shm mapping, waits for itself: one after the other)
+    batched = flat.is_pinned() and any(t.is_cuda for _, t in items)
     end = 0
     for spec, (_, t) in zip(specs, items):
         flat[end : spec.offset] = 0  # alignment padding: keep the buffer (and its hashes) deterministic
-        tensor_view(flat, spec).copy_(t)
+        tensor_view(flat, spec).copy_(t, non_blocking=batched)
         end = spec.offset + spec.nbytes
     flat[end:] = 0
+    if batched:
+        torch.cuda.synchronize()
     chunks = tuple((start, min(chunk_bytes, offset - start), "") for start in range(0, offset, chunk_bytes))
     manifest = WeightsManifest(version, run_id, offset, tuple(specs), chunks)
     snapshot = Snapshot(manifest, flat, path if reuse else None)
@@ -186,7 +191,7 @@ class SnapshotBuffers:
 
     def _new_buffer(self, nbytes: int) -> tuple[torch.Tensor, int | None]:
         if self.shared_prefix is None:
-            return torch.empty(nbytes, dtype=torch.uint8), None
+            return _heap_buffer(nbytes), None
         path = f"{self.shared_prefix}-{os.getpid()}-{self._made}.weights"
         self._made += 1
         fd = None
@@ -194,17 +199,42 @@ class SnapshotBuffers:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             os.unlink(path)  # nothing named is left: the open fd (and mappings) keep it alive
             os.ftruncate(fd, nbytes)
+            reserve(fd, nbytes)
             return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8), fd
         except (OSError, RuntimeError) as err:  # no /dev/shm or /proc, or it is full: lend nothing
-            log.warning("weights: no shared buffer in %s (%s); local samplers fetch chunks", path, err)
             _close(fd)
             Path(path).unlink(missing_ok=True)
-            return torch.empty(nbytes, dtype=torch.uint8), None
+            self.shared_prefix = None  # one line, once: later buffers go to the heap straight away
+            log.warning(
+                "weights: no shared-memory buffer for a %s snapshot in %s (%s); samplers on this host "
+                "fetch the weights over the socket instead. In a container, /dev/shm is 64 MB unless "
+                "started with --ipc=host or --shm-size (e.g. 16g)",
+                f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB",
+                Path(path).parent,
+                err,
+            )
+            return _heap_buffer(nbytes), None
 
     def close(self) -> None:
         for _, fd in self._buffers:
             _close(fd)
         self._buffers = []
+
+
+def reserve(fd: int, nbytes: int) -> None:
+    """Give a memory file its pages now. ftruncate only sets the size: tmpfs grants any size and a
+    write past its room (Docker's default /dev/shm is 64 MB) then kills the process with SIGBUS,
+    which nothing can catch. posix_fallocate takes the pages up front, so a /dev/shm without room is
+    an OSError (ENOSPC) here instead. A filesystem that cannot reserve (EOPNOTSUPP) counts as no
+    room: a buffer on it could fault the same way."""
+    os.posix_fallocate(fd, 0, nbytes)
+
+
+def _heap_buffer(nbytes: int) -> torch.Tensor:
+    """A snapshot buffer in this process's memory; page-locked when CUDA is in use, so that the
+    device-to-host copies of a GPU trainer's parameters run asynchronously (take_snapshot)."""
+    pin = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
 def _close(fd: int | None) -> None:
