@@ -172,16 +172,21 @@ def test_no_host_heap_trimming_on_a_gpu(tiny_model):
     assert runtime.trim_memory_in_training(model) == 0 and not runtime._TRIM
 
 
-def test_a_gpu_snapshot_copies_into_pinned_memory_in_one_batch(tiny_model):
-    """A snapshot of a GPU trainer's parameters into a page-locked heap buffer queues every copy and
-    waits once; the bytes equal a plain copy's."""
-    from tandem.transport.weights import _heap_buffer, snapshot_layout, take_snapshot
+def test_a_gpu_snapshot_copies_into_a_page_locked_heap_buffer(tiny_model):
+    """Without /dev/shm (or for remote samplers only) a GPU trainer's heap buffers are registered
+    page-locked, every copy queued at once; the bytes equal a plain copy's."""
+    from tandem.transport.weights import SnapshotBuffers, take_snapshot
+
+    class Idle:
+        def busy(self, _buffer) -> bool:
+            return False
 
     model = copy.deepcopy(tiny_model).to(CUDA)
     named = list(model.named_parameters())
-    size = snapshot_layout(named, None)[1]
-    buffer = _heap_buffer(size)
-    assert buffer.is_pinned()
-    pinned = take_snapshot(named, version=0, run_id="r", out=buffer)
+    buffers = SnapshotBuffers()
+    snap = buffers.snapshot(named, publisher=Idle(), version=0, run_id="r")
+    assert snap.path is None and snap.flat.is_pinned()
     plain = take_snapshot([(n, p.cpu()) for n, p in named], version=0, run_id="r")
-    assert pinned.flat is buffer and torch.equal(pinned.flat, plain.flat)
+    assert torch.equal(snap.flat, plain.flat)
+    buffers.close()
+    assert not snap.flat.is_pinned()
