@@ -179,7 +179,7 @@ def run_check(check: Check, workdir: Path, env: dict) -> None:
     check.result = {"seconds": round(time.perf_counter() - start, 1), "exit": status, "passed": status == 0}
     if check.kind == "run":
         check.result.update(run_figures(workdir / check.name))
-        check.result["passed"] &= check.result.get("steps", 0) > 0
+        check.result["passed"] &= check.result.get("steps", 0) > 0 and check.result.get("loss_finite", False)
     elif check.kind == "eval" and (workdir / f"{check.name}.json").is_file():
         report = json.loads((workdir / f"{check.name}.json").read_text())
         check.result.update(answer_accuracy=report.get("answer_accuracy"), eval_seconds=report.get("seconds"))
@@ -203,17 +203,25 @@ def run_figures(run_dir: Path) -> dict:
         values = [r[field_name] for r in among if isinstance(r.get(field_name), int | float)]
         return round(statistics.fmean(values), 4) if values else None
 
-    peaks = [r["gpu_memory_peak_gb"] for r in rows if isinstance(r.get("gpu_memory_peak_gb"), int | float)]
     sampler_rows = []
     for sampler_log in (run_dir / "samplers").glob("*.jsonl"):
-        sampler_rows += [json.loads(line) for line in sampler_log.read_text().splitlines() if line.strip()]
+        lines = [line for line in sampler_log.read_text().splitlines() if line.strip()]
+        sampler_rows += [json.loads(line) for line in lines[1:]]  # its first batch pays for warm-up
+
+    def peak(among: list[dict]) -> float | None:
+        values = [
+            r["gpu_memory_peak_gb"] for r in among if isinstance(r.get("gpu_memory_peak_gb"), int | float)
+        ]
+        return max(values) if values else None
+
     return {
         "steps": len(rows),
         "step_seconds": mean("step_seconds", later),
         "generate_tokens_per_second": mean("generate_tokens_per_second", later + sampler_rows),
         "ratio_abs_dev_first_step": rows[0].get("ratio_abs_dev"),
         "sync_seconds": mean("sync_seconds", later),
-        "gpu_memory_peak_gb": max(peaks) if peaks else None,
+        "gpu_memory_peak_gb": peak(rows),  # the trainer's
+        "sampler_gpu_memory_peak_gb": peak(sampler_rows),  # decoupled: the sampler's, on the same GPU
         "loss_finite": all(isinstance(r.get("loss"), int | float) and r["loss"] == r["loss"] for r in rows),
     }
 
@@ -292,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    out = Path(args.out) if args.out else RESULTS
+    # a partial check (--only) never overwrites the committed record of a whole one
+    partial = RESULTS.parent / "runs" / f"gpu_check-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out) if args.out else (partial if args.only else RESULTS)
     env = dict(os.environ)
     if args.device == "cpu":
         env.setdefault("CUDA_VISIBLE_DEVICES", "")

@@ -237,6 +237,10 @@ class TrainingConfig:
     nvme_path: str | None = None  # folder for nvme offload
     deepspeed_config: str | None = None  # a DeepSpeed JSON ("auto" values are filled from this config)
     dist_backend: str = "auto"  # auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
+    # bf16 under DeepSpeed: autocast (fp32 parameters, forward under torch.autocast, fp32 gradient
+    # reduction: computes as DDP does; ZeRO-1/2 hold 4 bytes per parameter replicated instead of 2)
+    # | native (DeepSpeed's bf16 mode: bf16 parameters, fp32 master copy; less memory, other rounding)
+    deepspeed_bf16: str = "autocast"
     # DistributedDataParallel options (strategy ddp), under the names HF TrainingArguments uses
     ddp_find_unused_parameters: bool = False  # true for models whose forward skips some parameters
     ddp_bucket_cap_mb: float = 25.0  # gradient all-reduce bucket size
@@ -563,6 +567,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "training.offload_optimizer": OFFLOAD_DEVICES,
     "training.offload_param": OFFLOAD_DEVICES,
     "training.dist_backend": DIST_BACKENDS,
+    "training.deepspeed_bf16": ("autocast", "native"),
     "model.lora.sync": ("adapter", "merged"),
     "pipeline.mode": PIPELINE_MODES,
     "pipeline.sync_method": SYNC_METHODS,

@@ -43,7 +43,7 @@ def test_sampling_on_cuda_draws_the_cpu_generators_stream(tiny_model):
     """The first GPU run died at the first sampled token (a CPU generator drawing on CUDA). The
     uniforms now come from the CPU generator on every device: an fp32 model samples the same
     completions on the GPU as on the CPU (TF32 off: exact fp32 on both)."""
-    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    torch.set_float32_matmul_precision("highest")
     prompts = _prompts(tiny_model.config.vocab_size, (5, 9, 3))
     on_cpu = _generate(tiny_model, prompts)
     on_gpu = _generate(copy.deepcopy(tiny_model).to(CUDA), prompts)
@@ -157,9 +157,9 @@ def test_tf32_is_on_for_cuda_runs_unless_turned_off():
     from tandem.trainer.runtime import use_device
 
     use_device(CUDA)
-    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"
     use_device(CUDA, tf32=False)
-    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    assert not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
 
 
 def test_no_host_heap_trimming_on_a_gpu(tiny_model):

@@ -51,3 +51,19 @@ def test_a_cpu_self_check_runs_records_and_tabulates(tiny_model_dir, tmp_path):
     assert run["steps"] == 3 and run["loss_finite"] and run["step_seconds"] > 0
     assert run["generate_tokens_per_second"] > 0 and run["ratio_abs_dev_first_step"] is not None
     assert "colocated-bf16   pass" in proc.stdout
+
+
+def test_zero3_checks_are_fed_by_a_sampler():
+    """A ZeRO-3 trainer cannot generate (its policy is sharded): those checks must go through
+    `tandem launch`, a sampler beside the trainer, or they would fail on the GPU machine."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module
+    spec.loader.exec_module(module)
+    checks = {c.name: c for c in module.plan("cuda", None)}
+    for name in ("zero3-nccl", "zero3-gloo"):
+        argv = checks[name].argv
+        assert argv[0] == "launch" and "training.zero_stage=3" in argv
+        assert argv[argv.index("--training-devices") + 1] == "0"

@@ -67,6 +67,9 @@ def test_a_deepspeed_json_that_chooses_bf16_keeps_deepspeeds_mode(tmp_path):
         cfg = dsc.resolve(dataclasses.replace(tc, deepspeed_config=str(path)), world_size=2)
         assert cfg["bf16"]["enabled"] is not autocast
         assert cfg.get("torch_autocast", {}).get("enabled", False) is autocast
+    # training.deepspeed_bf16=native: DeepSpeed's bf16 parameters (half the memory below ZeRO-3)
+    native = dsc.resolve(dataclasses.replace(tc, deepspeed_bf16="native"), world_size=2)
+    assert native["bf16"] == {"enabled": True} and "torch_autocast" not in native
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -243,3 +246,40 @@ def test_zero3_ranks_gather_only_for_the_steps_that_publish():
     cfg = load_config(None, ["pipeline.mode=decoupled", "pipeline.sync_every=3"])
     assert [s for s in range(1, 10) if publishes_at(cfg, s)] == [3, 6, 9]
     assert not any(publishes_at(load_config(None, ["pipeline.mode=colocated"]), s) for s in range(1, 5))
+
+
+def test_an_fp16_loss_scale_survives_a_resume(tiny_model, tmp_path):
+    """fp16's GradScaler state is checkpointed: a resumed run keeps the scale it found instead of
+    starting again at 2**16 (and skipping steps to find it)."""
+    import copy
+
+    from tandem.distributed.engine import TorchEngine
+
+    tc = TrainingConfig(mixed_precision="fp16", max_steps=4)
+    engine = TorchEngine(copy.deepcopy(tiny_model), tc, DistEnv(), torch.device("cpu"))
+    engine.scaler.scale(torch.ones(()))  # the scale lives once a loss was scaled
+    engine.scaler.update(1024.0)  # as after overflows
+    engine.save(tmp_path)
+    resumed = TorchEngine(copy.deepcopy(tiny_model), tc, DistEnv(), torch.device("cpu"))
+    assert resumed.scaler.get_scale() != 1024.0
+    resumed.load(tmp_path)
+    assert resumed.scaler.get_scale() == 1024.0
+
+
+def test_lora_on_the_output_projection_or_a_head_bias_is_refused(tiny_model):
+    """tandem scores tokens with the output projection's weight directly (fused log-prob head): an
+    adapter there would never train and a bias would be dropped, so both are refused by name."""
+    import copy
+
+    pytest.importorskip("peft")
+    from tandem.config import LoraSpec
+    from tandem.models.loading import check_supported
+    from tandem.models.lora import apply_lora
+
+    with pytest.raises(ConfigError, match=r"target_modules` includes the output projection \(lm_head\)"):
+        apply_lora(copy.deepcopy(tiny_model), LoraSpec(enabled=True, target_modules=["q_proj", "lm_head"]))
+    biased = copy.deepcopy(tiny_model)
+    head = biased.get_output_embeddings()
+    head.bias = torch.nn.Parameter(torch.zeros(head.out_features))
+    with pytest.raises(NotImplementedError, match="output projection has a bias"):
+        check_supported(biased)

@@ -96,8 +96,9 @@ def resolve(
     A file's `zero_optimization` is its own (stage, offload, buckets); "auto" there takes the
     YAML's value, or for the buckets HF's sizes from the model's `hidden_size`."""
     ours = generated(tc, world_size, stage)
+    as_autocast = bf16_as_autocast if tc.deepspeed_bf16 == "autocast" else (lambda config: config)
     if tc.deepspeed_config is None:
-        return bf16_as_autocast(ours)
+        return as_autocast(ours)
     path = Path(tc.deepspeed_config)
     try:
         theirs = json.loads(path.read_text())
@@ -108,7 +109,7 @@ def resolve(
     chose_bf16 = isinstance(theirs.get("bf16"), dict) and theirs["bf16"].get("enabled") is True
     merged = _merge(theirs, ours, path)
     if not chose_bf16 and "torch_autocast" not in theirs:  # the file left precision to the YAML
-        merged = bf16_as_autocast(merged)
+        merged = as_autocast(merged)
     _fill_optimizer(merged, tc)
     _fill_buckets(merged, hidden_size, path)
     left = _autos(merged)
@@ -121,15 +122,19 @@ def resolve(
 
 
 def bf16_as_autocast(config: dict) -> dict:
-    """bf16 the way DDP does it: fp32 parameters, gradients and master weights, the forward under
-    torch.autocast (DeepSpeed's `torch_autocast` section), every gradient reduced in fp32 (no
-    "lower precision safe" modules). DeepSpeed's own `bf16` mode would keep the parameters in bf16
-    and switch tandem's autocast off inside the engine, so a ZeRO run would compute differently from
-    a DDP or single-process run of the same config. Model states then cost 4 + 4 + 8 = 16 bytes per
-    parameter, as DeepSpeed's bf16 mode does (2 + 2 + 4 master + 8), sharded alike; ZeRO-3 gathers
-    fp32 parameters (twice the bytes of bf16 ones). A DeepSpeed JSON that sets `bf16.enabled: true`
-    itself keeps DeepSpeed's mode. fp16 stays DeepSpeed's own (its dynamic loss scaling: the
-    autocast path has no scaler under ZeRO)."""
+    """bf16 the way DDP does it (`training.deepspeed_bf16: autocast`): fp32 parameters, the forward
+    under torch.autocast (DeepSpeed's `torch_autocast` section), every gradient reduced in fp32 (no
+    "lower precision safe" modules). DeepSpeed's own `bf16` mode (`native`) keeps the parameters in
+    bf16 and switches tandem's autocast off inside the engine, so a ZeRO run computes differently from
+    a DDP or single-process run of the same config.
+
+    The price is memory and traffic, not sharded away below ZeRO-3: every rank holds the parameters
+    in fp32 (4 bytes each instead of 2; DeepSpeed still keeps its own fp32 master partition beside
+    them), ZeRO-1 every rank's full gradients in fp32, and gradients are reduced in fp32 (twice the
+    bytes). A 7B policy under ZeRO-2 holds 28 GB of parameters per GPU instead of 14. ZeRO-3 reuses its
+    fp32 partition as the master copy but gathers fp32 parameters. A DeepSpeed JSON that sets
+    `bf16.enabled: true` itself keeps DeepSpeed's mode. fp16 stays DeepSpeed's own (its dynamic loss
+    scaling: the autocast path has no scaler under ZeRO)."""
     if not config.get("bf16", {}).get("enabled"):
         return config
     out = {**config, "bf16": {**config["bf16"], "enabled": False}}

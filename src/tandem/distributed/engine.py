@@ -109,6 +109,8 @@ class TorchEngine:
         if self.env.is_main:
             torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
+            if self.scaler is not None:  # fp16: the loss scale it has found, not 2**16 again
+                torch.save(self.scaler.state_dict(), folder / "scaler.pt")
 
     def load(self, folder: Path) -> None:
         if not (folder / "optimizer.pt").is_file():
@@ -126,6 +128,10 @@ class TorchEngine:
         self.scheduler.load_state_dict(
             torch.load(folder / "scheduler.pt", map_location="cpu", weights_only=True)
         )
+        if self.scaler is not None and (folder / "scaler.pt").is_file():
+            self.scaler.load_state_dict(
+                torch.load(folder / "scaler.pt", map_location="cpu", weights_only=True)
+            )
 
 
 class DeepSpeedEngine:
@@ -147,6 +153,15 @@ class DeepSpeedEngine:
         self.env, self.tc = env, tc
         config = deepspeed_config.resolve(tc, env.world_size, stage, hidden_size(module))
         self.stage = int(config["zero_optimization"]["stage"])
+        if env.is_main and tc.mixed_precision == "bf16":
+            autocast = config.get("torch_autocast", {}).get("enabled", False)
+            log.info(
+                "bf16 under DeepSpeed: %s",
+                "fp32 parameters with torch.autocast, as DDP computes (training.deepspeed_bf16=native: "
+                "DeepSpeed's bf16 parameters, half the parameter memory below ZeRO-3)"
+                if autocast
+                else "DeepSpeed's bf16 mode (bf16 parameters, fp32 master copy)",
+            )
         trained = forward if forward is not None else module
         optimizer = None if "optimizer" in config else build_optimizer(trained, tc)
         scheduler = None if "scheduler" in config or optimizer is None else build_scheduler(optimizer, tc)

@@ -446,8 +446,14 @@ def count_parameters(spec: str, *, trust_remote_code: bool = False) -> int:
 
 
 def check_supported(model) -> None:
-    """Our fused log-prob head assumes logits = hidden @ W_out.T; refuse models that rescale them."""
+    """Our fused log-prob head assumes logits = hidden @ W_out.T; refuse models that rescale them
+    or add a bias."""
     cfg = model.config
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError(
+            f"{type(model).__name__}'s output projection has a bias; tandem's log-prob head does not add one yet"
+        )
     for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         value = getattr(cfg, attr, None)
         if value not in (None, 1, 1.0):

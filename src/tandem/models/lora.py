@@ -33,6 +33,13 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
             "`model.lora.enabled` needs PEFT: pip install 'tandem[lora]' (or pip install peft)"
         ) from None
 
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_name = next((name for name, module in model.named_modules() if module is head), None)
+    if head_name and any(head_name == t or head_name.endswith("." + t) for t in spec.target_modules):
+        raise ConfigError(
+            f"`model.lora.target_modules` includes the output projection ({head_name}); tandem scores "
+            "tokens with its weight directly, so an adapter there would never train: remove it"
+        )
     config = LoraConfig(
         r=spec.r,
         lora_alpha=spec.alpha,

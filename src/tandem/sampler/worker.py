@@ -46,6 +46,7 @@ from tandem.config import Config
 from tandem.models.loading import load_tokenizer
 from tandem.models.lora import adapter_parameters, is_lora
 from tandem.sampler.rollout import build_rollout, prompt_stream
+from tandem.trainer.metrics import gpu_memory
 from tandem.trainer.runtime import resolve_device, set_seed, set_threads, use_device
 from tandem.transport.channel import GroupSender
 from tandem.transport.weights import (
@@ -373,6 +374,7 @@ class Sampler:
             "time_weights": time_weights,
             "time_wait_trainer": time_wait,
             "time_send": time.perf_counter() - send_start,
+            **gpu_memory(),  # on CUDA: this sampler's own memory (beside the trainer's on a shared GPU)
         }
 
     def close(self) -> None:

@@ -32,9 +32,10 @@ def use_device(device: torch.device, *, tf32: bool = True) -> None:
     _TRIM = False  # the tensors live on the GPU: the host heap stays small, nothing to hand back
     if device.index is not None:
         torch.cuda.set_device(device)
-    precision = "tf32" if tf32 else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = precision
-    torch.backends.cudnn.conv.fp32_precision = precision
+    # set_float32_matmul_precision, not the newer fp32_precision attributes: after those, the
+    # getters torch.compile and user code still call (get_float32_matmul_precision, allow_tf32) raise
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = tf32
 
 
 def cpu_has_fast_bf16() -> bool:
