@@ -67,6 +67,10 @@ def test_a_deepspeed_json_that_chooses_bf16_keeps_deepspeeds_mode(tmp_path):
         cfg = dsc.resolve(dataclasses.replace(tc, deepspeed_config=str(path)), world_size=2)
         assert cfg["bf16"]["enabled"] is not autocast
         assert cfg.get("torch_autocast", {}).get("enabled", False) is autocast
+    # a file with its own torch_autocast section and bf16 "auto": its autocast, not both at once
+    path.write_text(json.dumps({"bf16": {"enabled": "auto"}, "torch_autocast": {"enabled": True}}))
+    own = dsc.resolve(dataclasses.replace(tc, deepspeed_config=str(path)), world_size=2)
+    assert own["bf16"]["enabled"] is False and own["torch_autocast"] == {"enabled": True}
     # training.deepspeed_bf16=native: DeepSpeed's bf16 parameters (half the memory below ZeRO-3)
     native = dsc.resolve(dataclasses.replace(tc, deepspeed_bf16="native"), world_size=2)
     assert native["bf16"] == {"enabled": True} and "torch_autocast" not in native

@@ -110,6 +110,8 @@ def resolve(
     merged = _merge(theirs, ours, path)
     if not chose_bf16 and "torch_autocast" not in theirs:  # the file left precision to the YAML
         merged = as_autocast(merged)
+    elif not chose_bf16 and merged.get("torch_autocast", {}).get("enabled"):
+        merged["bf16"] = {**merged.get("bf16", {}), "enabled": False}  # the file's own autocast rules
     _fill_optimizer(merged, tc)
     _fill_buckets(merged, hidden_size, path)
     left = _autos(merged)
