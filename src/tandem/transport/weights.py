@@ -171,13 +171,13 @@ class SnapshotBuffers:
     unlinked as soon as it is made: same-host samplers open it as /proc/<trainer pid>/fd/<fd>, and
     the kernel frees it when the last process holding it goes, so even a killed trainer leaves
     nothing behind in /dev/shm. A file without room is one log line and heap buffers from then on
-    (samplers fetch chunks over the socket), never a SIGBUS (`reserve`). For a GPU trainer a shared
-    buffer is page-locked (`_pin`), as a heap one is (`_heap_buffer`)."""
+    (samplers fetch chunks over the socket), never a SIGBUS (`reserve`). For a GPU trainer every
+    buffer, shared or heap, is page-locked (`_pin`)."""
 
     def __init__(self, keep: int = 3, *, shared_prefix: str | None = None) -> None:
         self.keep = keep
         self.shared_prefix = shared_prefix
-        self.pin_shared = True  # until page-locking a shared buffer fails once
+        self.page_lock = True  # until page-locking a buffer fails once
         # (buffer, fd of its file, CUDA device it is page-locked for)
         self._buffers: list[tuple[torch.Tensor, int | None, int | None]] = []
         self._made = 0
@@ -230,16 +230,16 @@ class SnapshotBuffers:
         the driver's staging buffer one tensor at a time, commonly at half the page-locked rate or
         less (that is ~25 GB/s on PCIe 4 x16, ~50 on PCIe 5); registering pins pages the file already
         has (reserve), one pass, once per buffer. NCCL registers its /dev/shm segments the same way."""
-        if device is None or not self.pin_shared or flat.numel() == 0:
+        if device is None or not self.page_lock or flat.numel() == 0:
             return None
         code = _cuda_host_call(
             "cudaHostRegister", device, flat.data_ptr(), flat.numel(), _HOST_REGISTER_PORTABLE
         )
         if code == 0:
             return device
-        self.pin_shared = False
+        self.page_lock = False
         log.info(
-            "weights: cannot page-lock shared snapshot buffers (cudaError %d); GPU copies into them wait",
+            "weights: cannot page-lock snapshot buffers (cudaError %d); GPU copies into them wait",
             code,
         )
         return None
