@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -20,3 +21,22 @@ def make_run(tmp_path, tiny_model_dir):
     yield make
     for run in runs:
         run.kill_all()
+
+
+@pytest.fixture(scope="session")
+def reward_model_dirs(tiny_model_dir, tmp_path_factory):
+    """Two reward models (helpful, harmless) on the tiny LM, with different fixed score heads."""
+    from tandem.models.loading import load_tokenizer
+    from tandem.models.reward import load_reward_model
+
+    dirs = []
+    for name, seed in (("helpful", 1), ("harmless", 2)):
+        model = load_reward_model(str(tiny_model_dir))
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=generator) * 0.5)
+        folder = tmp_path_factory.mktemp(f"rm-{name}")
+        model.save_pretrained(folder)
+        load_tokenizer(str(tiny_model_dir)).save_pretrained(folder)
+        dirs.append(folder)
+    return tuple(dirs)

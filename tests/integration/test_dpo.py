@@ -20,7 +20,6 @@ from tandem.data.preferences import encode_answer, encode_pair, encode_prompt, l
 from tandem.distributed.env import DistEnv
 from tandem.models.loading import load_causal_lm, load_tokenizer
 from tandem.models.lora import BaseOfAdapter, apply_lora
-from tandem.models.reward import load_reward_model
 from tandem.trainer.dpo import build_reference, reward_margins, train_dpo
 from tandem.trainer.metrics import SUPERVISED_FIELDS
 
@@ -106,22 +105,6 @@ def independent_margins(pairs, helpful_dir, harmless_dir, **weights_and_offset) 
         chosen_is_safer=safer,
         **weights_and_offset,
     )
-
-
-@pytest.fixture(scope="module")
-def reward_model_dirs(tiny_model_dir, tmp_path_factory):
-    """Two reward models (helpful, harmless) on the tiny LM, with different fixed score heads."""
-    dirs = []
-    for name, seed in (("helpful", 1), ("harmless", 2)):
-        model = load_reward_model(str(tiny_model_dir))
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=generator) * 0.5)
-        folder = tmp_path_factory.mktemp(f"rm-{name}")
-        model.save_pretrained(folder)
-        load_tokenizer(str(tiny_model_dir)).save_pretrained(folder)
-        dirs.append(folder)
-    return tuple(dirs)
 
 
 def safe_mm_overrides(reward_model_dirs) -> list[str]:
