@@ -240,7 +240,7 @@ def cmd_check_comm(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from tandem.trainer.evaluate import evaluate
+    from tandem.evaluate import evaluate
 
     # settings left unset come from the model's run (its config.yaml, or --config), else the
     # defaults; evaluate() logs where each came from and records it in the summary
@@ -272,7 +272,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from tandem.trainer.plots import plot_run, plot_runs
+    from tandem.plots import plot_run, plot_runs
 
     for run_dir in args.run_dirs:
         for path in plot_run(Path(run_dir), smooth=args.smooth):

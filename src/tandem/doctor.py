@@ -41,7 +41,7 @@ def report() -> str:
             else ""
         )
     )
-    from tandem.trainer.runtime import cpu_has_fast_bf16
+    from tandem.distributed.runtime import cpu_has_fast_bf16
 
     fast_bf16 = cpu_has_fast_bf16()
     lines.append(

@@ -154,7 +154,7 @@ def test_a_checkpoint_restores_the_cuda_random_state(tiny_model, tmp_path):
 
 
 def test_tf32_is_on_for_cuda_runs_unless_turned_off():
-    from tandem.trainer.runtime import use_device
+    from tandem.distributed.runtime import use_device
 
     use_device(CUDA)
     assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"
@@ -165,7 +165,7 @@ def test_tf32_is_on_for_cuda_runs_unless_turned_off():
 def test_no_host_heap_trimming_on_a_gpu(tiny_model):
     """malloc_trim between phases and inside the training pass is a CPU remedy (the CPU's tensors
     fill the host heap); on a GPU it would only cost time."""
-    from tandem.trainer import runtime
+    from tandem.distributed import runtime
 
     model = copy.deepcopy(tiny_model).to(CUDA)
     runtime.use_device(CUDA)

@@ -12,12 +12,12 @@ from tandem.config import RewardSpec, load_config
 from tandem.data.gsm8k import load_examples
 from tandem.distributed.engine import TorchEngine
 from tandem.distributed.env import DistEnv
+from tandem.distributed.optim import build_scheduler
 from tandem.models.loading import check_same_tokenizer
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.rollout import Rollout
 from tandem.trainer.batching import flatten_groups
 from tandem.trainer.grpo import Share, optimizer_step
-from tandem.trainer.optim import build_scheduler
 
 
 def _groups(model, tokenizer):

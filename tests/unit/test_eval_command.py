@@ -15,10 +15,10 @@ import torch
 from tandem.cli import main
 from tandem.config import ConfigError, RewardSpec, dump_config, load_config
 from tandem.data.gsm8k import load_examples
+from tandem.evaluate import _generate, evaluate
 from tandem.models.loading import load_causal_lm, load_tokenizer
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.rollout import Rollout
-from tandem.trainer.evaluate import _generate, evaluate
 
 GSM8K_TRAIN = Path("/work/shared/data/gsm8k/train.jsonl")
 
@@ -42,7 +42,7 @@ def questions(tmp_path) -> Path:
 
 
 def test_flags_then_defaults_are_reported_with_a_progress_bar(tiny_model_dir, questions, caplog, capsys):
-    caplog.set_level(logging.INFO, logger="tandem.trainer.evaluate")
+    caplog.set_level(logging.INFO, logger="tandem.evaluate")
     result = evaluate(
         model=str(tiny_model_dir),
         dataset=str(questions),
@@ -66,7 +66,7 @@ def test_settings_of_a_run_come_from_its_config_yaml(tiny_model_dir, questions, 
     cfg = load_config(None, ["sampling.max_new_tokens=3", "data.num_shots=0"])
     dump_config(cfg, run / "config.yaml")
     (run / "metrics.jsonl").write_text("")
-    caplog.set_level(logging.INFO, logger="tandem.trainer.evaluate")
+    caplog.set_level(logging.INFO, logger="tandem.evaluate")
     result = evaluate(model=str(run / "final"), dataset=str(questions), num_examples=2, prefill="<think> ")
     where = str(run / "config.yaml")
     assert result["settings"]["max_new_tokens"] == {"value": 3, "from": where}

@@ -80,7 +80,7 @@ def test_packed_rows_equal_each_sequence_scored_alone(tiny_model):
 def test_memory_trimming_hooks_leave_the_gradients_bit_identical(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from tandem.trainer.runtime import _LIBC, trim_memory_in_training
+    from tandem.distributed.runtime import _LIBC, trim_memory_in_training
 
     packed = pack_rows([([5, 6, 7, 8], [[9, 10, 11], [12, 13]]), ([14, 15], [[16, 17, 18, 19]])])
     grads = []

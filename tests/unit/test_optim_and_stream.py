@@ -10,7 +10,7 @@ import torch
 from tandem.config import TrainingConfig
 from tandem.data.gsm8k import load_examples
 from tandem.data.stream import PromptStream
-from tandem.trainer.optim import build_optimizer, lr_factor
+from tandem.distributed.optim import build_optimizer, lr_factor
 
 
 def test_warmup_then_cosine_by_hand():
@@ -56,7 +56,7 @@ def test_a_module_can_give_some_parameters_their_own_learning_rate():
     """PPO's value head (ppo.value_learning_rate): its parameters get their own base rate, the rest
     keep training.learning_rate in the usual decay / no-decay groups, and warmup scales both."""
     from tandem.config import load_config
-    from tandem.trainer.optim import build_optimizer, build_scheduler
+    from tandem.distributed.optim import build_optimizer, build_scheduler
 
     tc = load_config(
         None, ["training.learning_rate=1e-4", "training.weight_decay=0.1", "training.warmup_steps=2"]

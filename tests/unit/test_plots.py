@@ -1,4 +1,4 @@
-"""Tests for tandem.trainer.plots: PNG figures from a synthetic metrics.jsonl."""
+"""Tests for tandem.plots: PNG figures from a synthetic metrics.jsonl."""
 
 import json
 import math
@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tandem.plots import compare_panels, moving_average, plot_run, plot_runs
 from tandem.trainer.metrics import REQUIRED_FIELDS
-from tandem.trainer.plots import compare_panels, moving_average, plot_run, plot_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_FIGURES = {"reward.png", "accuracy.png", "kl.png", "completion_length.png", "loss.png", "timing.png"}
@@ -108,7 +108,7 @@ def test_supervised_runs_get_their_own_figures(tmp_path):
     GRPO-only figures are skipped."""
     import json
 
-    from tandem.trainer.plots import plot_run
+    from tandem.plots import plot_run
 
     rows = []
     for step in range(1, 7):
@@ -222,7 +222,7 @@ def test_a_decoupled_timing_figure_shows_the_sampler_beside_the_trainer(tmp_path
     sampler's overlapping time for the groups it took."""
     from matplotlib.figure import Figure
 
-    from tandem.trainer.plots import _plot_timing
+    from tandem.plots import _plot_timing
 
     rows = [
         {

@@ -14,7 +14,7 @@ import yaml
 
 from tandem.config import ConfigError, TrainingConfig, load_config
 from tandem.distributed import deepspeed_config
-from tandem.trainer.runtime import cpu_has_fast_bf16, resolve_mixed_precision
+from tandem.distributed.runtime import cpu_has_fast_bf16, resolve_mixed_precision
 
 
 def _file(tmp_path, data, name="seed.yaml"):

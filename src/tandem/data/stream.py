@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+from tandem.config import DataConfig
+from tandem.data.gsm8k import load_examples
 from tandem.types import Example
 
 
@@ -43,3 +45,10 @@ class PromptStream:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self._order = self._permutation(self.epoch)
+
+
+def prompt_stream(data: DataConfig, batch_size: int, *, seed: int, stream_seed: int) -> PromptStream:
+    """Batches of `batch_size` prompts of `data.*`: the examples drawn with `seed` (the run's), their
+    order with `stream_seed` (a sampler's own)."""
+    examples = load_examples(data.dataset, data.split, data.num_examples, seed, difficulty=data.difficulty)
+    return PromptStream(examples, batch_size, seed=stream_seed, shuffle=data.shuffle)

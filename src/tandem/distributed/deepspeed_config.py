@@ -5,7 +5,7 @@ accumulation, clipping, precision, the optimizer's and scheduler's parameters, a
 sizes that depend on the model's hidden size; tandem fills those in. An explicit value that
 disagrees with the YAML is an error naming both, and an "auto" nobody fills is an error naming the
 key, never a DeepSpeed traceback later. Optimizer and scheduler are tandem's own
-(AdamW and the warmup + constant/linear/cosine schedule of `trainer/optim.py`, handed to
+(AdamW and the warmup + constant/linear/cosine schedule of `distributed/optim.py`, handed to
 DeepSpeed as client objects) unless the file has its own "optimizer"/"scheduler" section.
 """
 

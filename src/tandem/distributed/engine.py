@@ -33,9 +33,9 @@ import torch
 from tandem.config import ConfigError, TrainingConfig
 from tandem.distributed import deepspeed_config
 from tandem.distributed.env import DistEnv, barrier
+from tandem.distributed.optim import build_optimizer, build_scheduler
+from tandem.distributed.runtime import grad_scaler, trim_memory
 from tandem.models.forward import PackedLogprobsModule
-from tandem.trainer.optim import build_optimizer, build_scheduler
-from tandem.trainer.runtime import grad_scaler, trim_memory
 
 log = logging.getLogger(__name__)
 

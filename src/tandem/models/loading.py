@@ -17,8 +17,12 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tandem.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -473,3 +477,12 @@ def check_same_tokenizer(policy_tokenizer, reference_tokenizer, *, what: str = "
         )
     if policy_tokenizer.eos_token_id != reference_tokenizer.eos_token_id:
         raise ValueError(f"model.{what} has a different eos token from model.policy")
+
+
+def model_kwargs(model: ModelConfig, device) -> dict:
+    """The loader arguments every process takes from `model.*` beside the path and dtype."""
+    return dict(
+        attn_implementation=model.attn_implementation,
+        trust_remote_code=model.trust_remote_code,
+        device=device,
+    )

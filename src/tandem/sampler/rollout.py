@@ -15,15 +15,13 @@ import torch
 
 from tandem.algorithms.grpo import group_advantages
 from tandem.config import Config
-from tandem.data.gsm8k import load_examples
 from tandem.data.prompts import render_prompt
-from tandem.data.stream import PromptStream
+from tandem.distributed.runtime import trim_memory
 from tandem.models.forward import pack_rows, packed_logprobs
-from tandem.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer
+from tandem.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer, model_kwargs
 from tandem.models.lora import BaseOfAdapter, apply_lora, is_lora
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.generation import generate_groups
-from tandem.trainer.runtime import trim_memory
 from tandem.types import Completion, Example, Group
 
 
@@ -214,14 +212,6 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def model_kwargs(cfg: Config, device) -> dict:
-    return dict(
-        attn_implementation=cfg.model.attn_implementation,
-        trust_remote_code=cfg.model.trust_remote_code,
-        device=device,
-    )
-
-
 def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_id: str = "local") -> Rollout:
     """The sampling side: the rollout copy of the policy (or the policy itself when the dtypes
     agree), the frozen reference, the rewards and the prompt format."""
@@ -229,7 +219,7 @@ def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_
     rollout_model = policy
     if policy is None or cfg.sampling.dtype != cfg.model.dtype:
         rollout_model = load_causal_lm(
-            cfg.model.policy, dtype=cfg.sampling.dtype, trainable=False, **model_kwargs(cfg, device)
+            cfg.model.policy, dtype=cfg.sampling.dtype, trainable=False, **model_kwargs(cfg.model, device)
         )
         # the rollout copy has the policy's adapters when it receives adapters (or copies them here)
         if lora.enabled and (policy is not None or lora.sync == "adapter"):
@@ -245,7 +235,7 @@ def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_
                 cfg.model.reference or cfg.model.policy,
                 dtype=cfg.sampling.dtype,
                 trainable=False,
-                **model_kwargs(cfg, device),
+                **model_kwargs(cfg.model, device),
             )
 
         reference = OffloadedModel(load_reference) if cfg.model.reference_offload else load_reference()
@@ -271,10 +261,3 @@ def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_
         sampler_id=sampler_id,
         generator=generator,
     )
-
-
-def prompt_stream(cfg: Config, batch_size: int, *, seed: int) -> PromptStream:
-    examples = load_examples(
-        cfg.data.dataset, cfg.data.split, cfg.data.num_examples, cfg.seed, difficulty=cfg.data.difficulty
-    )
-    return PromptStream(examples, batch_size, seed=seed, shuffle=cfg.data.shuffle)

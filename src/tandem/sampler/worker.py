@@ -43,11 +43,11 @@ import zmq
 
 from tandem.atomic import atomic_write_text
 from tandem.config import Config
+from tandem.data.stream import prompt_stream
+from tandem.distributed.runtime import gpu_memory, resolve_device, set_seed, set_threads, use_device
 from tandem.models.loading import load_tokenizer
 from tandem.models.lora import adapter_parameters, is_lora
-from tandem.sampler.rollout import build_rollout, prompt_stream
-from tandem.trainer.metrics import gpu_memory
-from tandem.trainer.runtime import resolve_device, set_seed, set_threads, use_device
+from tandem.sampler.rollout import build_rollout
 from tandem.transport.channel import GroupSender
 from tandem.transport.weights import (
     FsWeightReader,
@@ -104,7 +104,7 @@ class Sampler:
         generator = torch.Generator(device="cpu").manual_seed(cfg.seed * 7919 + salt)
         self.rollout = build_rollout(cfg, None, tokenizer, generator, self.device, sampler_id=sampler_id)
         self.batch_prompts = max(1, cfg.sampling.batch_size // cfg.sampling.num_generations)
-        self.stream = prompt_stream(cfg, self.batch_prompts, seed=cfg.seed + salt)
+        self.stream = prompt_stream(cfg.data, self.batch_prompts, seed=cfg.seed, stream_seed=cfg.seed + salt)
         self.log_dir = cfg.run_dir / "samplers"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.log_dir / f"{sampler_id}.state.json"

@@ -22,13 +22,13 @@ from tandem.config import Config, ConfigError
 from tandem.data.preferences import EncodedPair, PreferencePair, encode_pair, load_preferences
 from tandem.distributed.engine import build_engine, frozen_forward
 from tandem.distributed.env import DistEnv, all_reduce_sum
+from tandem.distributed.runtime import autocast
 from tandem.models.forward import pack_rows
 from tandem.models.loading import check_same_tokenizer, load_tokenizer
 from tandem.models.lora import BaseOfAdapter, is_lora
 from tandem.models.reward import RewardScorer
 from tandem.trainer import run
 from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
-from tandem.trainer.runtime import autocast
 
 log = logging.getLogger(__name__)
 

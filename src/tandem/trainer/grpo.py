@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from tandem.algorithms.grpo import grpo_loss
 from tandem.config import Config, ConfigError, config_to_dict, validate_batch
+from tandem.data.stream import prompt_stream
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import (
     DistEnv,
@@ -30,7 +31,8 @@ from tandem.distributed.env import (
     keep_alive,
     scatter_tensor_dicts,
 )
-from tandem.sampler.rollout import build_rollout, prompt_stream
+from tandem.distributed.runtime import autocast, peak_rss_gb
+from tandem.sampler.rollout import build_rollout
 from tandem.trainer import checkpoint as ckpt
 from tandem.trainer import run
 from tandem.trainer.batching import (
@@ -46,7 +48,6 @@ from tandem.trainer.batching import (
 from tandem.trainer.experience import LocalExperience, RemoteExperience, publishes_at
 from tandem.trainer.metrics import MetricsLogger, write_samples
 from tandem.trainer.run import export_final, load_policy, open_run, run_distributed
-from tandem.trainer.runtime import autocast, peak_rss_gb
 from tandem.types import Group
 
 log = logging.getLogger(__name__)
@@ -237,7 +238,7 @@ def open_experience(cfg: Config, env: DistEnv, engine, tokenizer, generator, dev
 
 
 def local_experience(cfg: Config, policy, tokenizer, generator, device) -> LocalExperience:
-    stream = prompt_stream(cfg, cfg.grpo.prompts_per_step, seed=cfg.seed)
+    stream = prompt_stream(cfg.data, cfg.grpo.prompts_per_step, seed=cfg.seed, stream_seed=cfg.seed)
     return LocalExperience(build_rollout(cfg, policy, tokenizer, generator, device), stream, policy)
 
 

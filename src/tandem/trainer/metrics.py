@@ -114,20 +114,13 @@ def _step_line(row: dict) -> str:
     return f"step {row['step']}: " + " ".join(shown)
 
 
-def gpu_memory() -> dict[str, float]:
-    """This process's CUDA memory, as the seeds log it: allocated and reserved now, and the peak
-    since the previous row (the peak counter is reset after each read). Empty off CUDA."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+def _gpu_memory() -> dict[str, float]:
+    """distributed.runtime.gpu_memory where torch is loaded; a torch-free reader (plots) never needs it."""
+    if "torch" not in sys.modules:
         return {}
-    gb = 1e9
-    out = {
-        "gpu_memory_allocated_gb": torch.cuda.memory_allocated() / gb,
-        "gpu_memory_reserved_gb": torch.cuda.memory_reserved() / gb,
-        "gpu_memory_peak_gb": torch.cuda.max_memory_allocated() / gb,
-    }
-    torch.cuda.reset_peak_memory_stats()
-    return out
+    from tandem.distributed.runtime import gpu_memory
+
+    return gpu_memory()
 
 
 class MetricsLogger:
@@ -199,7 +192,7 @@ class MetricsLogger:
         missing = [k for k in self.required if k not in row]
         if missing:
             raise KeyError(f"metrics row is missing required fields {missing}")
-        safe = to_json_safe({**row, **gpu_memory()})
+        safe = to_json_safe({**row, **_gpu_memory()})
         step = int(safe["step"])
         logging.getLogger(STEP_LOGGER).info(_step_line(safe))
         self._file.write(json.dumps(safe, allow_nan=False) + "\n")

@@ -37,6 +37,7 @@ from tandem.algorithms.ppo import gae, kl_penalized_rewards, ppo_policy_loss, va
 from tandem.config import Config, ConfigError, config_to_dict, validate_batch
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import DistEnv, all_reduce_sum, broadcast_after_waits, keep_alive
+from tandem.distributed.runtime import autocast, peak_rss_gb
 from tandem.models.value_head import ValueHeadModel
 from tandem.trainer import checkpoint as ckpt
 from tandem.trainer import run
@@ -53,7 +54,6 @@ from tandem.trainer.grpo import (
 )
 from tandem.trainer.metrics import MetricsLogger, write_samples
 from tandem.trainer.run import export_final, load_policy, open_run, run_distributed
-from tandem.trainer.runtime import autocast, peak_rss_gb
 
 log = logging.getLogger(__name__)
 LOCAL = DistEnv()

@@ -25,11 +25,11 @@ from tandem.config import Config
 from tandem.data.preferences import EncodedPair, encode_pair, load_preferences
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import DistEnv, all_reduce_sum
+from tandem.distributed.runtime import autocast
 from tandem.models.reward import ScoreModule, load_reward_model, pad_right
 from tandem.rewards.model import INFO_FILE
 from tandem.trainer import run
 from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
-from tandem.trainer.runtime import autocast
 
 log = logging.getLogger(__name__)
 LOCAL = DistEnv()

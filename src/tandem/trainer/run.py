@@ -16,13 +16,7 @@ import torch
 from tandem.config import Config, ConfigError, config_to_dict, dump_config
 from tandem.distributed.engine import is_partitioned, partitioned_loading
 from tandem.distributed.env import DistEnv, barrier, broadcast_json, init_distributed, main_first, shutdown
-from tandem.models.loading import count_parameters, load_causal_lm, load_tokenizer, resolve_model_path
-from tandem.models.lora import apply_lora, is_lora
-from tandem.runlog import attach_run_log
-from tandem.sampler.rollout import model_kwargs
-from tandem.trainer import checkpoint as ckpt
-from tandem.trainer.metrics import SUPERVISED_FIELDS, MetricsLogger
-from tandem.trainer.runtime import (
+from tandem.distributed.runtime import (
     resolve_device,
     resolve_mixed_precision,
     set_seed,
@@ -30,6 +24,17 @@ from tandem.trainer.runtime import (
     trim_memory_in_training,
     use_device,
 )
+from tandem.models.loading import (
+    count_parameters,
+    load_causal_lm,
+    load_tokenizer,
+    model_kwargs,
+    resolve_model_path,
+)
+from tandem.models.lora import apply_lora, is_lora
+from tandem.runlog import attach_run_log
+from tandem.trainer import checkpoint as ckpt
+from tandem.trainer.metrics import SUPERVISED_FIELDS, MetricsLogger
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +142,7 @@ def load_model(cfg: Config, env: DistEnv, device: torch.device, spec: str, loade
         in_turn = contextlib.nullcontext() if partitioned else main_first(env)
         with in_turn:  # sharded: the shards stay where zero.Init put them (device None)
             on = None if partitioned else device
-            model = loader(path, dtype=cfg.model.dtype, **model_kwargs(cfg, on), **kwargs)
+            model = loader(path, dtype=cfg.model.dtype, **model_kwargs(cfg.model, on), **kwargs)
     if partitioned and not is_partitioned(model):  # transformers skips zero.Init for a quantized checkpoint
         log.warning("%s was loaded whole on every rank: transformers did not shard it at load", spec)
         model = model.to(device)

@@ -18,11 +18,11 @@ from tandem.config import Config
 from tandem.data.sft import EncodedExample, PromptStyle, encode_examples, load_sft_splits
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import DistEnv, all_reduce_sum
+from tandem.distributed.runtime import autocast
 from tandem.models.attention import SegmentLayout
 from tandem.models.forward import PackedRows, SequenceLayout
 from tandem.trainer import run
 from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
-from tandem.trainer.runtime import autocast
 
 log = logging.getLogger(__name__)
 LOCAL = DistEnv()

@@ -16,12 +16,12 @@ from tqdm import tqdm
 
 from tandem.config import ConfigError, RewardSpec
 from tandem.data.gsm8k import load_examples
+from tandem.distributed.runtime import resolve_device, use_device
 from tandem.models.loading import check_model_spec, load_causal_lm, load_tokenizer
 from tandem.preflight import check_dataset, check_device
 from tandem.rewards.gsm8k import answer_reward, format_reward
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.rollout import Rollout
-from tandem.trainer.runtime import resolve_device, use_device
 
 log = logging.getLogger(__name__)
 

@@ -157,3 +157,18 @@ def peak_rss_gb() -> float:
     """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1e9 if sys.platform == "darwin" else 1e6 / 1.024)
+
+
+def gpu_memory() -> dict[str, float]:
+    """This process's CUDA memory, as the seeds log it: allocated and reserved now, and the peak
+    since the previous row (the peak counter is reset after each read). Empty off CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    gb = 1e9
+    out = {
+        "gpu_memory_allocated_gb": torch.cuda.memory_allocated() / gb,
+        "gpu_memory_reserved_gb": torch.cuda.memory_reserved() / gb,
+        "gpu_memory_peak_gb": torch.cuda.max_memory_allocated() / gb,
+    }
+    torch.cuda.reset_peak_memory_stats()
+    return out
