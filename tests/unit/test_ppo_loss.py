@@ -104,6 +104,14 @@ def test_whiten_by_hand():
     )
 
 
+def test_whiten_with_the_moments_of_a_larger_batch_equals_whitening_it_whole():
+    # two micro-batches [1, 2] and [3, (100 masked)]: whole-batch mean 2, var 2/3, as above
+    x = torch.tensor([[1.0, 2.0], [3.0, 100.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
+    parts = [whiten(x[i : i + 1], mask[i : i + 1], eps=0.0, moments=(2.0, 2 / 3)) for i in range(2)]
+    torch.testing.assert_close(torch.cat(parts), whiten(x, mask, eps=0.0))
+
+
 def test_whiten_random_has_zero_mean_unit_variance_on_the_mask():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 6, generator=g, dtype=torch.float64) * 4 + 3

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.algorithms.logprobs import kl_k3
+
 LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 REWARD_SCALINGS = ("group", "batch", "none")
 
@@ -82,8 +84,7 @@ def grpo_loss(
     clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     objective = torch.minimum(ratio * adv, clipped * adv)
     if kl_coef != 0:
-        ref_diff = ref_logprobs - trainer_logprobs
-        kl = torch.exp(ref_diff) - ref_diff - 1.0
+        kl = kl_k3(trainer_logprobs, ref_logprobs)
         objective = objective - kl_coef * kl
     else:
         kl = torch.zeros_like(trainer_logprobs)

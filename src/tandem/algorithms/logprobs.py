@@ -118,3 +118,10 @@ def logits_token_logprobs(
     """The straightforward reference: log_softmax(logits / T) gathered at targets. [..., V] -> [...]."""
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(policy || reference) per token, >= 0 (GRPO's and PPO's penalty):
+    exp(logp_ref - logp) - (logp_ref - logp) - 1, elementwise over [B, T]."""
+    ref_diff = ref_logprobs - logprobs
+    return torch.exp(ref_diff) - ref_diff - 1.0

@@ -81,20 +81,30 @@ def gae(
 
 
 def whiten(
-    x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    moments: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the kept positions of x [B, T]; masked positions are 0.
 
-    mean and var are the masked mean and population (1/n) variance of this batch. With
-    shift_mean=False the mean is added back: only the scale changes (for advantages whose sign
-    should stay as it was).
+    mean and var are the masked mean and population (1/n) variance of this batch, or `moments`
+    = (mean, var) when given: those of a larger batch (every micro-batch of every rank, reduced by
+    the caller). With shift_mean=False the mean is added back: only the scale changes (for
+    advantages whose sign should stay as it was).
     """
     _check_tokens({"x": x, "mask": mask})
     keep = mask.to(x.dtype)
-    count = keep.sum().clamp(min=1.0)
-    mean = (x * keep).sum() / count
-    var = ((x - mean) ** 2 * keep).sum() / count
-    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if moments is not None:
+        mean, var = moments
+        whitened = (x - mean) * (var + eps) ** -0.5
+    else:
+        count = keep.sum().clamp(min=1.0)
+        mean = (x * keep).sum() / count
+        var = ((x - mean) ** 2 * keep).sum() / count
+        whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * keep

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tandem.algorithms.ppo import gae, kl_penalized_rewards, ppo_policy_loss, value_loss
+from tandem.algorithms.logprobs import kl_k3
+from tandem.algorithms.ppo import gae, kl_penalized_rewards, ppo_policy_loss, value_loss, whiten
 from tandem.config import Config, ConfigError, config_to_dict, validate_batch
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import DistEnv, all_reduce_sum, broadcast_after_waits, keep_alive
@@ -57,7 +58,6 @@ from tandem.trainer.run import export_final, load_policy, open_run, run_distribu
 
 log = logging.getLogger(__name__)
 LOCAL = DistEnv()
-WHITEN_EPS = 1e-8  # as algorithms.ppo.whiten
 
 
 @dataclass
@@ -287,8 +287,8 @@ def prepare_batch(
 
 
 def whiten_global(batches: list[OptimizerBatch], mean: float, n: float, env: DistEnv) -> None:
-    """algorithms.ppo.whiten over the whole batch on every rank: (A - mean) / sqrt(var + eps) with the
-    mean and population variance of every real token of every rank (two passes, as whiten does)."""
+    """algorithms.ppo.whiten of every micro-batch with the moments of the whole batch, all ranks:
+    the mean and population variance of every real token (two passes, as whiten makes them)."""
     micros = [m for b in batches for m in b.micros]
     squares = sum(
         float((((m.advantages.double() - mean) ** 2) * m.batch.completion_mask.double()).sum())
@@ -296,9 +296,8 @@ def whiten_global(batches: list[OptimizerBatch], mean: float, n: float, env: Dis
         if m.weight
     )
     (squares,) = all_reduce_sum(env, [squares])
-    scale = (squares / n + WHITEN_EPS) ** -0.5
     for m in micros:
-        m.advantages = (m.advantages - mean) * scale * m.batch.completion_mask
+        m.advantages = whiten(m.advantages, m.batch.completion_mask, moments=(mean, squares / n))
 
 
 def explained_variance(ret_mean: float, ret_sq_mean: float, res_mean: float, res_sq_mean: float) -> float:
@@ -358,9 +357,7 @@ def optimizer_step(
                 clip_eps=pc.value_clip_eps,
                 normalizer=batch.num_tokens,
             )
-            # Schulman's k3 estimate of KL(policy || reference) per token, >= 0 (as GRPO's loss)
-            ref_diff = reference_logprobs(mb, pc.kl_coef) - logprobs
-            kl = (torch.exp(ref_diff) - ref_diff - 1.0) * mask
+            kl = kl_k3(logprobs, reference_logprobs(mb, pc.kl_coef)) * mask
             loss = policy_loss + pc.vf_coef * v_loss
             if pc.kl_mode == "loss":
                 loss = loss + pc.kl_coef * kl.sum() / batch.num_tokens
