@@ -161,6 +161,12 @@ def all_reduce_sum(env: DistEnv, values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_dict(env: DistEnv, sums: dict[str, float]) -> dict[str, float]:
+    """Every rank's `sums` added up by name (in float64, one collective); every rank passes the same
+    names in the same order."""
+    return dict(zip(sums, all_reduce_sum(env, list(sums.values()))))
+
+
 _DTYPES = {"int64": torch.int64, "float32": torch.float32}
 
 

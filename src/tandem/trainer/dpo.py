@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,15 +19,16 @@ from tqdm import tqdm
 from tandem.algorithms.dpo import dpo_loss, safe_mm_margin, sequence_logps
 from tandem.config import Config, ConfigError
 from tandem.data.preferences import EncodedPair, PreferencePair, encode_pair, load_preferences
+from tandem.distributed.batches import rank_micro_batches
 from tandem.distributed.engine import build_engine, frozen_forward
-from tandem.distributed.env import DistEnv, all_reduce_sum
+from tandem.distributed.env import DistEnv, all_reduce_dict, all_reduce_sum
 from tandem.distributed.runtime import autocast
 from tandem.models.forward import pack_rows
 from tandem.models.loading import check_same_tokenizer, load_tokenizer
 from tandem.models.lora import BaseOfAdapter, is_lora
 from tandem.models.reward import RewardScorer
 from tandem.trainer import run
-from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
+from tandem.trainer.run import export_final, load_policy, open_run, run_distributed
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     train, evals, reference = prepare(cfg, engine, tokenizer, env, device)
 
     batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
-    steps_per_epoch = math.ceil(len(train.pairs) / batch_size)
+    steps_per_epoch = run.batches_per_epoch(len(train.pairs), batch_size, "pairs")
     total_steps = min(tc.max_steps, tc.num_epochs * steps_per_epoch)
     # the data position is the step: batches are a function of (seed, epoch), checked on resume
     data_state = {"num_train_pairs": len(train.pairs), "batch_size": batch_size}
@@ -78,7 +78,10 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
             row_start = time.perf_counter()
             epoch, index = divmod(step, steps_per_epoch)
             if batches[0] != epoch:
-                batches = (epoch, epoch_batches(len(train.pairs), batch_size, epoch, cfg))
+                batches = (
+                    epoch,
+                    run.epoch_batches(len(train.pairs), batch_size, epoch, cfg.seed, cfg.data.shuffle, "dpo"),
+                )
             stats = optimizer_step(engine, train, batches[1][index], reference, cfg, env, device)
             step += 1
             row = {"step": step, "epoch": step / steps_per_epoch, **stats}
@@ -173,27 +176,6 @@ def load_pairs(cfg: Config) -> tuple[list[PreferencePair], list[PreferencePair]]
         source, "test", task=cfg.dpo.task, num_examples=d.num_eval_examples, seed=cfg.seed
     )
     return train, evals
-
-
-def epoch_batches(num_pairs: int, batch_size: int, epoch: int, cfg: Config) -> list[list[int]]:
-    """One epoch's optimizer batches of pair indices: a fixed shuffle per (seed, epoch), so a
-    resumed run finds its place from the step alone; the last batch may be short."""
-    order = run.epoch_order(num_pairs, epoch, cfg.seed, cfg.data.shuffle, "dpo")
-    return [order[i : i + batch_size] for i in range(0, num_pairs, batch_size)]
-
-
-def rank_micro_batches(
-    batch: list[int], micro_batch_size: int, env: DistEnv
-) -> list[tuple[list[int], float]]:
-    """This rank's (pair indices, weight) micro-batches of a global batch. Every rank runs as many
-    as the fullest rank (rank 0 under the strided split), padding with a weight-0 repeat: DDP and
-    ZeRO reduce or gather inside forward/backward, so the counts must agree."""
-    local = rank_slice(batch, env)
-    num_micro = math.ceil(math.ceil(len(batch) / env.world_size) / micro_batch_size)
-    out = [(local[i : i + micro_batch_size], 1.0) for i in range(0, len(local), micro_batch_size)]
-    while len(out) < num_micro:
-        out.append((out[-1][0] if out else batch[:1], 0.0))
-    return out
 
 
 # --------------------------------------------------------------------------- forwards
@@ -334,20 +316,33 @@ def micro_batch_loss(engine, data: PairData, micro: list[int], reference, cfg: C
     )
 
 
-STAT_KEYS = ("loss", "reward_chosen", "reward_rejected", "reward_accuracy", "margin_mean", "num")
-
-
-def pair_sums(loss: torch.Tensor, stats: dict, data: PairData, micro: list[int]) -> list[float]:
-    """A micro-batch's sums over its pairs of what a row reports (STAT_KEYS), to add across
-    micro-batches and ranks before dividing by the pair count."""
+def pair_sums(loss: torch.Tensor, stats: dict, data: PairData, micro: list[int]) -> dict[str, float]:
+    """A micro-batch's sums over its pairs of what a row reports, to add across micro-batches and
+    ranks before dividing by the pair count `num`."""
     n = len(micro)
+    means = {
+        "loss": float(loss.detach()),
+        **{k: stats[k] for k in ("reward_chosen", "reward_rejected", "reward_accuracy")},
+    }
     margin = float(data.margins[micro].sum()) if data.margins is not None else 0.0
-    means = (float(loss.detach()), stats["reward_chosen"], stats["reward_rejected"], stats["reward_accuracy"])
-    return [m * n for m in means] + [margin, n]
+    return {**{k: m * n for k, m in means.items()}, "margin_mean": margin, "num": n}
 
 
-def row_means(sums: list[float], data: PairData, prefix: str = "") -> dict:
-    means = {f"{prefix}{key}": value / max(sums[-1], 1.0) for key, value in zip(STAT_KEYS[:-1], sums)}
+def no_sums() -> dict[str, float]:
+    return dict.fromkeys(
+        ("loss", "reward_chosen", "reward_rejected", "reward_accuracy", "margin_mean", "num"), 0.0
+    )
+
+
+def add_sums(sums: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    return {k: sums[k] + more[k] for k in sums}
+
+
+def row_means(env: DistEnv, sums: dict[str, float], data: PairData, prefix: str = "") -> dict:
+    """The rank-summed `sums` as means over the pairs."""
+    totals = all_reduce_dict(env, sums)
+    num = max(totals.pop("num"), 1.0)
+    means = {f"{prefix}{key}": value / num for key, value in totals.items()}
     means[f"{prefix}reward_margin"] = means[f"{prefix}reward_chosen"] - means[f"{prefix}reward_rejected"]
     if data.margins is None:  # plain DPO: no reward-model margin to report
         del means[f"{prefix}margin_mean"]
@@ -362,16 +357,16 @@ def optimizer_step(
     micro_batches = rank_micro_batches(batch, cfg.training.micro_batch_size, env)
     engine.model.train()
     lr = engine.lr()
-    sums = [0.0] * len(STAT_KEYS)
+    sums = no_sums()
     for i, (micro, weight) in enumerate(micro_batches):
         with engine.accumulate(last=i == len(micro_batches) - 1):
             loss, stats = micro_batch_loss(engine, data, micro, reference, cfg, device)
             engine.backward(loss * (weight * len(micro) / len(batch)))
         if weight:
-            sums = [a + b for a, b in zip(sums, pair_sums(loss, stats, data, micro))]
+            sums = add_sums(sums, pair_sums(loss, stats, data, micro))
     grad_norm = engine.step()
     return {
-        **row_means(all_reduce_sum(env, sums), data),
+        **row_means(env, sums, data),
         "grad_norm": grad_norm,
         "lr": lr,
         "num_pairs": len(batch),
@@ -382,7 +377,7 @@ def evaluate(engine, data: PairData, reference, cfg: Config, env: DistEnv, devic
     """eval_loss, eval_reward_accuracy, eval_reward_margin, ... over the held-out pairs (every rank
     takes a strided part, in eval mode, without gradients)."""
     t0 = time.perf_counter()
-    sums = [0.0] * len(STAT_KEYS)
+    sums = no_sums()
     engine.model.eval()
     with torch.no_grad():
         for micro, weight in rank_micro_batches(
@@ -390,6 +385,6 @@ def evaluate(engine, data: PairData, reference, cfg: Config, env: DistEnv, devic
         ):
             loss, stats = micro_batch_loss(engine, data, micro, reference, cfg, device)
             if weight:
-                sums = [a + b for a, b in zip(sums, pair_sums(loss, stats, data, micro))]
+                sums = add_sums(sums, pair_sums(loss, stats, data, micro))
     engine.model.train()
-    return {**row_means(all_reduce_sum(env, sums), data, "eval_"), "eval_seconds": time.perf_counter() - t0}
+    return {**row_means(env, sums, data, "eval_"), "eval_seconds": time.perf_counter() - t0}

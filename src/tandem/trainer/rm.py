@@ -2,7 +2,7 @@
 
 Run: `tandem rm configs/rm_helpful.yaml [--task helpful|harmless] [key=value ...]` (under torchrun or
 the deepspeed launcher for several ranks). An optimizer step takes micro_batch_size x
-gradient_accumulation_steps x world_size pairs; each rank takes its rank_slice, scores the chosen and
+gradient_accumulation_steps x world_size pairs (the last of an epoch may be short); each rank takes its rank_slice, scores the chosen and
 rejected answers of a micro-batch in one padded forward, and weighs its loss by its share of the
 step's pairs, so the update does not depend on how the batch is cut. final/ is an HF
 sequence-classification folder that `RewardScorer` and GRPO's `rewards: [{type: model}]` load.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -23,13 +22,14 @@ from tandem.algorithms.reward_model import pairwise_loss
 from tandem.atomic import atomic_write_text
 from tandem.config import Config
 from tandem.data.preferences import EncodedPair, encode_pair, load_preferences
+from tandem.distributed.batches import rank_micro_batches
 from tandem.distributed.engine import build_engine
-from tandem.distributed.env import DistEnv, all_reduce_sum
+from tandem.distributed.env import DistEnv, all_reduce_dict
 from tandem.distributed.runtime import autocast
 from tandem.models.reward import ScoreModule, load_reward_model, pad_right
 from tandem.rewards.model import INFO_FILE
 from tandem.trainer import run
-from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
+from tandem.trainer.run import export_final, load_policy, open_run, run_distributed
 
 log = logging.getLogger(__name__)
 LOCAL = DistEnv()
@@ -51,7 +51,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
         model.config.pad_token_id = pad_id
     train_set, eval_set = load_data(cfg, tokenizer)
     batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
-    steps_per_epoch = run.full_batches_per_epoch(len(train_set), batch_size, env, "pairs")
+    steps_per_epoch = run.batches_per_epoch(len(train_set), batch_size, "pairs")
     num_steps = min(tc.max_steps, tc.num_epochs * steps_per_epoch)
     engine = build_engine(model, tc, env, device, forward=ScoreModule(model))
 
@@ -63,17 +63,17 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     initial = evaluate(engine, eval_set, cfg, device, env, pad_id) if step == 0 else {}
     initial = {f"{k}_initial": v for k, v in initial.items()}
     bar = tqdm(total=num_steps, initial=step, desc="rm", dynamic_ncols=True, disable=not env.is_main)
-    last_saved, order_epoch, order, final_eval = step, -1, [], {}
+    last_saved, batches, final_eval = step, (-1, []), {}  # batches: (epoch, its batches of pair indices)
     try:
         while step < num_steps:
             t0 = time.perf_counter()
             epoch, index = divmod(step, steps_per_epoch)
-            if epoch != order_epoch:
-                order, order_epoch = (
-                    run.epoch_order(len(train_set), epoch, cfg.seed, cfg.data.shuffle, "rm"),
+            if batches[0] != epoch:
+                batches = (
                     epoch,
+                    run.epoch_batches(len(train_set), batch_size, epoch, cfg.seed, cfg.data.shuffle, "rm"),
                 )
-            batch = [train_set[i] for i in order[index * batch_size : (index + 1) * batch_size]]
+            batch = [train_set[i] for i in batches[1][index]]
             row = optimizer_step(engine, batch, cfg, device, env, pad_id)
             step += 1
             row = {"step": step, "epoch": step / steps_per_epoch, **row, **initial}
@@ -159,24 +159,23 @@ def optimizer_step(
     mean pairwise loss is weighted by its pairs over the batch's (every rank holds the batch, so that
     count needs no collective), then clipping and one optimizer step."""
     tc = cfg.training
-    mine = rank_slice(batch, env)
-    assert len(mine) == tc.micro_batch_size * tc.gradient_accumulation_steps, "global batch not divisible"
+    micro_batches = rank_micro_batches(batch, tc.micro_batch_size, env)
     lr = engine.lr()
     engine.model.train()
-    sums = [0.0] * 3  # loss (already divided by the batch), correct pairs, margin sum
-    for i in range(tc.gradient_accumulation_steps):
-        micro = mine[i * tc.micro_batch_size : (i + 1) * tc.micro_batch_size]
-        with engine.accumulate(last=i == tc.gradient_accumulation_steps - 1):
+    sums = {"loss": 0.0, "correct": 0.0, "margin_sum": 0.0}  # loss already divided by the batch
+    for i, (micro, weight) in enumerate(micro_batches):
+        with engine.accumulate(last=i == len(micro_batches) - 1):
             with autocast(device, tc.mixed_precision):
                 chosen, rejected = score_pairs(engine.model, micro, device, pad_id)
-            loss = pairwise_loss(chosen, rejected) * (len(micro) / len(batch))
+            loss = pairwise_loss(chosen, rejected) * (weight * len(micro) / len(batch))
             engine.backward(loss)
-        margins = (chosen - rejected).detach()
-        sums[0] += float(loss.detach())
-        sums[1] += float((margins > 0).sum())
-        sums[2] += float(margins.sum())
+        if weight:
+            margins = (chosen - rejected).detach()
+            sums["loss"] += float(loss.detach())
+            sums["correct"] += float((margins > 0).sum())
+            sums["margin_sum"] += float(margins.sum())
     grad_norm = engine.step()
-    loss_global, correct, margin_sum = all_reduce_sum(env, sums)
+    loss_global, correct, margin_sum = all_reduce_dict(env, sums).values()
     return {
         "loss": loss_global,  # the pair mean over the whole batch
         "accuracy": correct / len(batch),
@@ -200,24 +199,18 @@ def evaluate(
     eval_margin_mean on held-out `pairs`, which the ranks split."""
     if not pairs:
         return {}
-    micro_size = cfg.training.micro_batch_size
-    mine = rank_slice(pairs, env)
-    # every rank runs the same number of forwards (DDP syncs buffers and ZeRO-3 gathers parameters
-    # in forward): a rank short of pairs scores one with weight 0
-    num_micro = math.ceil(math.ceil(len(pairs) / env.world_size) / micro_size)
     engine.model.eval()
-    sums = [0.0] * 3  # loss sum, correct pairs, margin sum
-    for k in range(num_micro):
-        micro = mine[k * micro_size : (k + 1) * micro_size]
+    sums = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0}
+    for micro, weight in rank_micro_batches(pairs, cfg.training.micro_batch_size, env):
         with autocast(device, cfg.training.mixed_precision):
-            chosen, rejected = score_pairs(engine.model, micro or pairs[:1], device, pad_id)
-        if micro:
+            chosen, rejected = score_pairs(engine.model, micro, device, pad_id)
+        if weight:
             margins = chosen - rejected
-            sums[0] += float(pairwise_loss(chosen, rejected)) * len(micro)
-            sums[1] += float((margins > 0).sum())
-            sums[2] += float(margins.sum())
+            sums["loss_sum"] += float(pairwise_loss(chosen, rejected)) * len(micro)
+            sums["correct"] += float((margins > 0).sum())
+            sums["margin_sum"] += float(margins.sum())
     engine.model.train()
-    loss_sum, correct, margin_sum = all_reduce_sum(env, sums)
+    loss_sum, correct, margin_sum = all_reduce_dict(env, sums).values()
     return {
         "eval_loss": loss_sum / len(pairs),
         "eval_accuracy": correct / len(pairs),

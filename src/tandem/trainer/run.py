@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -159,16 +160,20 @@ def _hidden_size(path: str, cfg: Config) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def full_batches_per_epoch(num_items: int, batch_size: int, env: DistEnv, what: str) -> int:
-    """Optimizer steps per epoch of a data loop (sft, rm); the last partial batch is left out."""
-    steps = num_items // batch_size
-    if steps == 0:
-        raise ConfigError(
-            f"`data.num_examples`: {num_items} training {what} do not fill one optimizer step of "
-            f"training.micro_batch_size x gradient_accumulation_steps x {env.world_size} ranks = "
-            f"{batch_size}; use more {what} or a smaller batch"
-        )
-    return steps
+def batches_per_epoch(num_items: int, batch_size: int, what: str) -> int:
+    """Optimizer steps per epoch of a data loop (sft, rm, dpo): every item once, the last batch short
+    when `batch_size` does not divide `num_items` (the one rule of all three, README "Batches")."""
+    if num_items == 0:
+        raise ConfigError(f"`data.num_examples`: there are no training {what}; give a data set with some")
+    return math.ceil(num_items / batch_size)
+
+
+def epoch_batches(
+    num_items: int, batch_size: int, epoch: int, seed: int, shuffle: bool, salt: str
+) -> list[list[int]]:
+    """One epoch's optimizer batches of item indices, the last one possibly short."""
+    order = epoch_order(num_items, epoch, seed, shuffle, salt)
+    return [order[i : i + batch_size] for i in range(0, num_items, batch_size)]
 
 
 def epoch_order(num_items: int, epoch: int, seed: int, shuffle: bool, salt: str) -> list[int]:
@@ -277,9 +282,3 @@ def export_final(
             ckpt.atomic_dir(out, write)
     barrier(env)
     return out
-
-
-def rank_slice(items: list, env: DistEnv) -> list:
-    """This rank's part of a global batch: items rank, rank + world, ... (every rank holds the
-    whole batch, so each also knows the global counts its loss divides by)."""
-    return items[env.rank :: env.world_size]

@@ -16,13 +16,14 @@ from tqdm import tqdm
 from tandem.algorithms.sft import sft_loss
 from tandem.config import Config
 from tandem.data.sft import EncodedExample, PromptStyle, encode_examples, load_sft_splits
+from tandem.distributed.batches import rank_micro_batches
 from tandem.distributed.engine import build_engine
-from tandem.distributed.env import DistEnv, all_reduce_sum
+from tandem.distributed.env import DistEnv, all_reduce_dict
 from tandem.distributed.runtime import autocast
 from tandem.models.attention import SegmentLayout
 from tandem.models.forward import PackedRows, SequenceLayout
 from tandem.trainer import run
-from tandem.trainer.run import export_final, load_policy, open_run, rank_slice, run_distributed
+from tandem.trainer.run import export_final, load_policy, open_run, run_distributed
 
 log = logging.getLogger(__name__)
 LOCAL = DistEnv()
@@ -35,16 +36,17 @@ def train_sft(cfg: Config) -> Path:
 
 
 def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
-    """An optimizer step takes micro_batch_size x gradient_accumulation_steps x world_size examples;
-    each rank takes its rank_slice, and every micro-batch's loss is divided by the loss tokens of the
-    whole step, so the update does not depend on how the batch is cut."""
+    """An optimizer step takes micro_batch_size x gradient_accumulation_steps x world_size examples
+    (the last of an epoch may be short); each rank takes its rank_slice, and every micro-batch's loss
+    is divided by the loss tokens of the whole step, so the update does not depend on how the batch
+    is cut."""
     tc = cfg.training
     checkpoints_dir = cfg.run_dir / "checkpoints"
     resume_path = open_run(cfg, env)
     tokenizer, policy = load_policy(cfg, env, device)
     train_set, eval_set = load_data(cfg, tokenizer)
     batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
-    steps_per_epoch = run.full_batches_per_epoch(len(train_set), batch_size, env, "examples")
+    steps_per_epoch = run.batches_per_epoch(len(train_set), batch_size, "examples")
     num_steps = min(tc.max_steps, tc.num_epochs * steps_per_epoch)
     engine = build_engine(policy, tc, env, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # pads are never attended
@@ -59,17 +61,17 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     if initial and env.is_main:
         log.info("eval loss before training %.4f", initial["eval_loss_initial"])
     bar = tqdm(total=num_steps, initial=step, desc="sft", dynamic_ncols=True, disable=not env.is_main)
-    last_saved, order_epoch, order = step, -1, []
+    last_saved, batches = step, (-1, [])  # (epoch, its batches of example indices)
     try:
         while step < num_steps:
             t0 = time.perf_counter()
             epoch, index = divmod(step, steps_per_epoch)
-            if epoch != order_epoch:
-                order, order_epoch = (
-                    run.epoch_order(len(train_set), epoch, cfg.seed, cfg.data.shuffle, "sft"),
+            if batches[0] != epoch:
+                batches = (
                     epoch,
+                    run.epoch_batches(len(train_set), batch_size, epoch, cfg.seed, cfg.data.shuffle, "sft"),
                 )
-            batch = [train_set[i] for i in order[index * batch_size : (index + 1) * batch_size]]
+            batch = [train_set[i] for i in batches[1][index]]
             row = optimizer_step(engine, batch, cfg, device, env, pad_id)
             step += 1
             row = {
@@ -148,24 +150,21 @@ def optimizer_step(
     clipping, one optimizer step."""
     tc = cfg.training
     num_tokens = sum(e.num_targets for e in batch)
-    mine = rank_slice(batch, env)
-    assert len(mine) == tc.micro_batch_size * tc.gradient_accumulation_steps, "global batch not divisible"
+    micro_batches = rank_micro_batches(batch, tc.micro_batch_size, env)
     lr = engine.lr()
     engine.model.train()
     loss_sum = 0.0
-    for i in range(tc.gradient_accumulation_steps):
-        micro = mine[i * tc.micro_batch_size : (i + 1) * tc.micro_batch_size]
+    for i, (micro, weight) in enumerate(micro_batches):
         packed, loss_mask = collate(micro, pad_id, packing=cfg.sft.packing, row_length=cfg.sft.max_length)
-        with engine.accumulate(last=i == tc.gradient_accumulation_steps - 1):
+        with engine.accumulate(last=i == len(micro_batches) - 1):
             with autocast(device, tc.mixed_precision):
                 token_logprobs = engine.model(packed.to(device))
             loss, _ = sft_loss(token_logprobs, loss_mask.to(device), normalizer=num_tokens)
-            engine.backward(loss)
-        loss_sum += float(loss.detach())
+            engine.backward(loss * weight)
+        loss_sum += float(loss.detach()) * weight
     grad_norm = engine.step()
-    (loss_global,) = all_reduce_sum(env, [loss_sum])
     return {
-        "loss": loss_global,  # the token mean over the whole batch
+        "loss": all_reduce_dict(env, {"loss": loss_sum})["loss"],  # the token mean over the whole batch
         "grad_norm": grad_norm,
         "lr": lr,
         "tokens": num_tokens,
@@ -185,26 +184,17 @@ def evaluate(
     """eval_loss, the token-mean NLL of `examples` (ranks split them), and eval_perplexity = exp of it."""
     if not examples:
         return {}
-    micro_size = cfg.training.micro_batch_size
-    mine = rank_slice(examples, env)
-    # every rank runs the same number of forwards (DDP syncs buffers and ZeRO-3 gathers parameters
-    # in forward): a rank short of examples repeats one with weight 0
-    num_micro = math.ceil(math.ceil(len(examples) / env.world_size) / micro_size)
     engine.model.eval()
-    nll_sum, num_tokens = 0.0, 0.0
-    for k in range(num_micro):
-        micro = mine[k * micro_size : (k + 1) * micro_size]
-        packed, loss_mask = collate(
-            micro or examples[:1], pad_id, packing=cfg.sft.packing, row_length=cfg.sft.max_length
-        )
+    sums = {"nll_sum": 0.0, "num_tokens": 0.0}
+    for micro, weight in rank_micro_batches(examples, cfg.training.micro_batch_size, env):
+        packed, loss_mask = collate(micro, pad_id, packing=cfg.sft.packing, row_length=cfg.sft.max_length)
         with autocast(device, cfg.training.mixed_precision):
             token_logprobs = engine.model(packed.to(device))
         _, stats = sft_loss(token_logprobs, loss_mask.to(device))
-        if micro:
-            nll_sum += stats["nll_sum"]
-            num_tokens += stats["num_tokens"]
+        if weight:
+            sums = {k: v + stats[k] for k, v in sums.items()}
     engine.model.train()
-    nll_sum, num_tokens = all_reduce_sum(env, [nll_sum, num_tokens])
+    nll_sum, num_tokens = all_reduce_dict(env, sums).values()
     eval_loss = nll_sum / num_tokens
     return {"eval_loss": eval_loss, "eval_perplexity": math.exp(eval_loss)}
 
