@@ -76,7 +76,8 @@ def worker(out_dir: str, steps: int, overrides: list[str]) -> None:
     from tandem.distributed.engine import build_engine
     from tandem.distributed.env import init_distributed, shutdown
     from tandem.trainer.batching import Sample
-    from tandem.trainer.grpo import optimizer_step, scatter_share
+    from tandem.trainer.grpo import optimizer_step
+    from tandem.trainer.rl_steps import scatter_share
     from tandem.trainer.run import load_policy
 
     cfg = load_config(

@@ -17,7 +17,8 @@ from tandem.config import load_config, validate_batch
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import all_reduce_sum, init_distributed, shutdown
 from tandem.trainer.batching import flatten_groups
-from tandem.trainer.grpo import optimizer_step, scatter_share
+from tandem.trainer.grpo import optimizer_step
+from tandem.trainer.rl_steps import scatter_share
 from tandem.trainer.run import load_policy
 from tandem.types import Completion, Group
 

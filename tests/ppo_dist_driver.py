@@ -19,7 +19,8 @@ from tandem.distributed.engine import build_engine
 from tandem.distributed.env import init_distributed, shutdown
 from tandem.models.value_head import ValueHeadModel
 from tandem.trainer.batching import flatten_groups
-from tandem.trainer.ppo import optimizer_step, prepare_batch, scatter_batch
+from tandem.trainer.ppo import optimizer_step, prepare_batch
+from tandem.trainer.rl_steps import scatter_batch
 from tandem.trainer.run import load_policy
 
 NUM_BATCHES = 2

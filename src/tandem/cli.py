@@ -87,14 +87,29 @@ def _prepare_run_dir(cfg) -> None:
         raise ConfigError(str(err)) from None
 
 
-def _trainer_loop(method: str):
+def _train_loop(method: str):
+    """Each method's training function, imported when it runs (transformers is slow to import)."""
+    if method == "grpo":
+        from tandem.trainer.grpo import train_grpo
+
+        return train_grpo
     if method == "ppo":
         from tandem.trainer.ppo import train_ppo
 
         return train_ppo
-    from tandem.trainer.grpo import train_grpo
+    if method == "sft":
+        from tandem.trainer.sft import train_sft
 
-    return train_grpo
+        return train_sft
+    if method == "rm":
+        from tandem.trainer.rm import train_rm
+
+        return train_rm
+    if method == "dpo":
+        from tandem.trainer.dpo import train_dpo
+
+        return train_dpo
+    raise ValueError(f"no training loop for method {method!r}")
 
 
 def cmd_grpo(args) -> int:
@@ -104,7 +119,7 @@ def cmd_grpo(args) -> int:
     cfg = _config(args, method=args.command)
     _preflight(cfg, args.command)
     if cfg.pipeline.mode == "colocated":
-        _trainer_loop(cfg.method)(cfg)
+        _train_loop(cfg.method)(cfg)
         rc = 0
     else:
         sampling, training = default_devices(cfg)
@@ -125,7 +140,7 @@ def cmd_train(args) -> int:
     cfg = _config(args, *extra)
     _require_method(cfg, "train", ("grpo", "ppo"))
     _preflight(cfg, "train")
-    _trainer_loop(cfg.method)(cfg)
+    _train_loop(cfg.method)(cfg)
     _finished(cfg)
     return 0
 
@@ -145,13 +160,10 @@ def _port_overrides(args) -> list[str]:
 
 def cmd_method(args) -> int:
     """sft | rm | dpo: one process, or every rank under torchrun / the deepspeed launcher."""
-    import importlib
-
     extra = [f"rm.task={args.task}"] if getattr(args, "task", None) else []
     cfg = _config(args, *extra, method=args.command)
     _preflight(cfg, args.command)
-    module = importlib.import_module(f"tandem.trainer.{args.command}")
-    getattr(module, f"train_{args.command}")(cfg)
+    _train_loop(args.command)(cfg)
     _finished(cfg)
     return 0
 

@@ -19,7 +19,6 @@ from tandem.data.gsm8k import load_examples
 from tandem.distributed.runtime import resolve_device, use_device
 from tandem.models.loading import check_model_spec, load_causal_lm, load_tokenizer
 from tandem.preflight import check_dataset, check_device
-from tandem.rewards.gsm8k import answer_reward, format_reward
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.rollout import Rollout
 
@@ -46,12 +45,6 @@ def run_config_path(model: str, config: str | None = None) -> Path | None:
         if (parent / "config.yaml").is_file() and (parent / "metrics.jsonl").is_file():
             return parent / "config.yaml"
     return None
-
-
-def prompt_settings(model: str, config: str | None = None) -> dict:
-    """The prompt a model was trained with: from `config`, else from the config.yaml of the run
-    that `model` belongs to, else the built-in defaults."""
-    return eval_settings(model, config)[0]
 
 
 def eval_settings(model: str, config: str | None = None, **given) -> tuple[dict, dict[str, str]]:
@@ -206,8 +199,9 @@ def _rows(examples: list, groups: list, prefill: str) -> list[dict]:
                     "question": example.question,
                     "answer": example.answer,
                     "response": response,
-                    "correct": answer_reward(response, example.answer) > 0,
-                    "formatted": format_reward(response) > 0,
+                    # the rollout scored prefill + text with the answer and format rewards
+                    "correct": c.reward_info["answer"] > 0,
+                    "formatted": c.reward_info["format"] > 0,
                     "num_tokens": len(c.generated_token_ids),
                 }
             )

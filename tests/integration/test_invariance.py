@@ -17,7 +17,8 @@ from tandem.models.loading import check_same_tokenizer
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.rollout import Rollout
 from tandem.trainer.batching import flatten_groups
-from tandem.trainer.grpo import Share, optimizer_step
+from tandem.trainer.grpo import optimizer_step
+from tandem.trainer.rl_steps import Share
 
 
 def _groups(model, tokenizer):

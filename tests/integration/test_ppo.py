@@ -23,7 +23,8 @@ from tandem.models.value_head import VALUE_HEAD_FILE, ValueHeadModel
 from tandem.trainer import checkpoint as ckpt
 from tandem.trainer.batching import flatten_groups, split_across_ranks
 from tandem.trainer.metrics import REQUIRED_FIELDS
-from tandem.trainer.ppo import optimizer_step, prepare_batch, scatter_batch, train_ppo
+from tandem.trainer.ppo import optimizer_step, prepare_batch, train_ppo
+from tandem.trainer.rl_steps import scatter_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 PPO_FIELDS = ("value_loss", "explained_variance", "returns_mean", "vf_clip_fraction")

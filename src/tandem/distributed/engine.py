@@ -44,6 +44,7 @@ class TorchEngine:
     """Plain PyTorch (`none`) or DistributedDataParallel (`ddp`); checkpoints in PyTorch format."""
 
     format = "torch"
+    shards_parameters = False  # every rank holds the whole model
 
     def __init__(
         self,
@@ -153,6 +154,7 @@ class DeepSpeedEngine:
         self.env, self.tc = env, tc
         config = deepspeed_config.resolve(tc, env.world_size, stage, hidden_size(module))
         self.stage = int(config["zero_optimization"]["stage"])
+        self.shards_parameters = self.stage == 3  # no rank holds the whole model outside gathered()
         if env.is_main and tc.mixed_precision == "bf16":
             autocast = config.get("torch_autocast", {}).get("enabled", False)
             log.info(

@@ -123,11 +123,8 @@ def trim_memory() -> None:
 def trim_memory_in_training(model: torch.nn.Module, every: int = 10) -> int:
     """Trim also inside a training forward and backward, every `every` decoder layers: the heap
     otherwise grows by the step's freed temporaries until the next phase boundary. Each trim costs
-    page faults when the memory is taken again, so `every` trades time for peak. Measured on the
-    embedded model (4 checkpointed micro-batches of 8 packed sequences, forward + backward):
-    no hooks 16.8 s / 2.36 GB peak RSS, every 30 layers 18.2 s / 2.04 GB, every 10 18.6 s / 1.88 GB,
-    every 5 19.3 s / 1.82 GB; in benchmarks/grpo_step.py every 10 instead of 5 took the policy pass
-    from 19.8 s to 18.2 s for 3.06 GB instead of 3.00 GB. Forwards without gradients (generation,
+    page faults when the memory is taken again, so `every` trades time for peak (the measurements
+    behind 10 are in benchmarks/MEASUREMENTS.md). Forwards without gradients (generation,
     reference) are left alone. Returns the number of layers hooked."""
     if _LIBC is None or any(p.is_cuda for p in model.parameters()):  # a GPU's host heap stays small
         return 0

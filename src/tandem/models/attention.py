@@ -24,9 +24,8 @@ the CPU the calls keep `enable_gqa`, as tuned there.
 
 The model's forward receives the layout as the keyword `segment_layout`, which transformers
 passes down to every attention call. A decode step (one new token per row) goes to
-`decode_attention`, two batched matmuls instead of SDPA's CPU kernel (0.75 instead of 0.95 ms per
-layer of the embedded model at batch 32: decode step 107 -> 97 ms). Anything else is transformers'
-"sdpa" unchanged.
+`decode_attention`, two batched matmuls, faster than SDPA's CPU kernel there (benchmarks/MEASUREMENTS.md).
+Anything else is transformers' "sdpa" unchanged.
 """
 
 from __future__ import annotations

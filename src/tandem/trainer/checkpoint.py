@@ -211,8 +211,17 @@ def load_model_weights(folder: Path, model) -> None:
         )
 
 
-def load_checkpoint(path: Path, *, engine, env: DistEnv, generator: torch.Generator | None = None) -> dict:
+def load_checkpoint(
+    path: Path,
+    *,
+    engine,
+    env: DistEnv,
+    generator: torch.Generator | None = None,
+    load_extra: Callable[[Path], None] | None = None,
+) -> dict:
     """Restore everything save_checkpoint wrote (every rank calls this); returns the trainer state.
+    `load_extra(path)` reads what a loop's `write_extra` wrote beside the model (PPO's value head)
+    where the engine's own checkpoint does not hold it already (PyTorch format).
 
     A PyTorch-format checkpoint resumes under `none` or `ddp` at any world size; a DeepSpeed one
     under DeepSpeed (its own rules on changing the world size apply). A rank without its own RNG
@@ -220,6 +229,8 @@ def load_checkpoint(path: Path, *, engine, env: DistEnv, generator: torch.Genera
     state = json.loads((path / STATE_FILE).read_text())
     if engine.format == "torch":
         load_model_weights(path / "model", engine.module)
+        if load_extra is not None:
+            load_extra(path)
     engine.load(path)
     rng_file = path / f"rng-{env.rank}.pt"
     if not rng_file.is_file():

@@ -8,7 +8,7 @@ GRPO, and `sampling.num_generations` may be 1. The sampler knows nothing of valu
 **the trainer computes them**, with a value head on the policy's trunk (models/value_head.py), so
 the wire format, the samplers and weight sync stay GRPO's and values always come from the newest
 critic. Per batch of groups, rank 0 splits each optimizer batch across the ranks by whole groups
-(grpo.scatter_share) and every rank, for its share:
+(trainer/rl_steps.py, as for GRPO) and every rank, for its share:
   1. old values V_old: one forward without gradient, before any update of this batch;
   2. token rewards: the score on the last token, minus kl_coef * (logp_sampler - logp_ref) on every
      token when ppo.kl_mode=reward (Ziegler et al. 2019); with kl_mode=loss the rewards are the
@@ -23,37 +23,24 @@ TRL's classic value-head PPO). Checkpoints and final/ hold the policy plus value
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from tandem.algorithms.logprobs import kl_k3
 from tandem.algorithms.ppo import gae, kl_penalized_rewards, ppo_policy_loss, value_loss, whiten
-from tandem.config import Config, ConfigError, config_to_dict, validate_batch
+from tandem.config import Config, ConfigError, validate_batch
+from tandem.distributed.batches import pad_micro_batches
 from tandem.distributed.engine import build_engine
-from tandem.distributed.env import DistEnv, all_reduce_sum, broadcast_after_waits, keep_alive
-from tandem.distributed.runtime import autocast, peak_rss_gb
+from tandem.distributed.env import DistEnv, all_reduce_dict
+from tandem.distributed.runtime import autocast
 from tandem.models.value_head import ValueHeadModel
 from tandem.trainer import checkpoint as ckpt
-from tandem.trainer import run
-from tandem.trainer.batching import MicroBatch, Sample, collate, flatten_groups, split_micro_batches
-from tandem.trainer.experience import publishes_at
-from tandem.trainer.grpo import (
-    PER_BATCH_TIMES,
-    Share,
-    batch_steps,
-    open_experience,
-    sample_rows,
-    scatter_share,
-    summarize_groups,
-)
-from tandem.trainer.metrics import MetricsLogger, write_samples
+from tandem.trainer.batching import MicroBatch, collate, split_micro_batches
+from tandem.trainer.rl_steps import RankBatches, Share, StepRecord, open_experience, publish, save_rl
 from tandem.trainer.run import export_final, load_policy, open_run, run_distributed
 
 log = logging.getLogger(__name__)
@@ -89,141 +76,91 @@ def train_ppo(cfg: Config) -> Path:
 
 def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     validate_batch(cfg, env.world_size)
-    run_dir, tc = cfg.run_dir, cfg.training
-    checkpoints_dir = run_dir / "checkpoints"
+    pc, tc = cfg.ppo, cfg.training
     resume_path = open_run(cfg, env)
     tokenizer, policy = load_policy(cfg, env, device)
     forward = ValueHeadModel(policy)
-    if cfg.ppo.value_learning_rate is not None:  # a critic often wants a faster rate than the policy
-        forward.learning_rates = {"value_head.": cfg.ppo.value_learning_rate}
+    if pc.value_learning_rate is not None:  # a critic often wants a faster rate than the policy
+        forward.learning_rates = {"value_head.": pc.value_learning_rate}
     engine = build_engine(policy, tc, env, device, forward=forward)
     generator = torch.Generator(device="cpu").manual_seed(cfg.seed)
-
-    step = 0
     state = None
     if resume_path is not None:
-        state = ckpt.load_checkpoint(resume_path, engine=engine, env=env, generator=generator)
-        if engine.format == "torch":  # DeepSpeed's own checkpoint already holds the head
-            forward.load_value_head(resume_path)
-        step = state["step"]
-        if env.is_main:
-            log.info("resumed from %s at step %d", resume_path, step)
+        state = ckpt.load_checkpoint(
+            resume_path, engine=engine, env=env, generator=generator, load_extra=forward.load_value_head
+        )
+    step = state["step"] if state else 0
+    if state and env.is_main:
+        log.info("resumed from %s at step %d", resume_path, step)
     experience = open_experience(cfg, env, engine, tokenizer, generator, device, state)
 
-    logger = (
-        MetricsLogger(run_dir, tc.report_to, resume_step=step, config=config_to_dict(cfg))
-        if env.is_main
-        else None
+    def save(at: int) -> None:
+        save_rl(
+            cfg.run_dir / "checkpoints",
+            at,
+            engine,
+            env,
+            generator,
+            tokenizer,
+            experience,
+            tc,
+            write_extra=forward.save_value_head,
+        )
+
+    record = StepRecord(cfg, env, step, desc="ppo", postfix=progress, save=save)
+    batches = RankBatches(
+        cfg,
+        env,
+        experience,
+        step,
+        num_iterations=pc.num_iterations,
+        scale_rewards="none",
+        adv_eps=0.0,
+        skip_zero_variance=False,
     )
-    bar = tqdm(total=tc.max_steps, initial=step, desc="ppo", dynamic_ncols=True, disable=not env.is_main)
-    last_saved = step
-    full_batch = cfg.grpo.prompts_per_step * cfg.sampling.num_generations
-    steps_per_batch = batch_steps(tc, full_batch, cfg.ppo.num_iterations, env.world_size)
-    if experience is not None:
-        experience.expect(step, 0, steps_per_batch)
-    try:
+    with record.steps(experience):
         while step < tc.max_steps:
-            row_start = time.perf_counter()
-            samples, groups, batch_stats = [], [], {}
-            if env.is_main:
-                groups, batch_stats = experience.next_groups(
-                    cfg.grpo.prompts_per_step, lambda: keep_alive(env)
-                )
-                batch_stats = {**summarize_groups(groups), **batch_stats}
-                samples = flatten_groups(groups, scale_rewards="none", adv_eps=0.0, skip_zero_variance=False)
-                steps = batch_steps(tc, len(samples), cfg.ppo.num_iterations, env.world_size)
-                experience.expect(step, steps, steps_per_batch)
-            shares = scatter_batch(env, samples, cfg)
-            batches, target_stats = prepare_batch(engine, shares, cfg, device, env)
-            batch_stats = {**batch_stats, **target_stats}
-            for _ in range(cfg.ppo.num_iterations):
-                for batch in batches:
+            record.start_batch()
+            batch = batches.next(step)
+            targets, target_stats = prepare_batch(engine, batch.shares, cfg, device, env)
+            batch.stats.update(target_stats)
+            for _ in range(pc.num_iterations):
+                for optimizer_batch in targets:
                     if step >= tc.max_steps:
                         break
-                    train_stats = optimizer_step(engine, batch, cfg, device, env)
+                    train_stats = optimizer_step(engine, optimizer_batch, cfg, device, env)
                     step += 1
-                    sync_stats = {}
-                    # ZeRO-3: every rank gathers the full parameters, so only for a step that publishes
-                    with engine.gathered() if publishes_at(cfg, step) else contextlib.nullcontext():
-                        if env.is_main:
-                            # versions between the weights that sampled this batch and the ones updated now
-                            staleness = statistics.fmean(
-                                experience.version - g.policy_version for g in groups
-                            )
-                            sync_stats = experience.on_step(engine.module, step)
-                    if not env.is_main:
-                        continue
-                    now = time.perf_counter()
-                    row = {
-                        "step": step,
-                        "policy_version": min(g.policy_version for g in groups),
-                        "staleness_mean": staleness,
-                        **batch_stats,
-                        **train_stats,
-                        **sync_stats,
-                        "step_seconds": now - row_start,
-                        "peak_rss_gb": peak_rss_gb(),
-                    }
-                    if env.world_size > 1:
-                        row["world_size"] = env.world_size
-                    # a batch's generation and waiting are counted once, in its first step's row
-                    batch_stats = {**batch_stats, **dict.fromkeys(PER_BATCH_TIMES & batch_stats.keys(), 0.0)}
-                    row_start = now
-                    if step % tc.logging_steps == 0 or step == tc.max_steps:
-                        logger.log(row)
-                    bar.update(1)
-                    bar.set_postfix(
-                        reward=f"{row['reward_mean']:.2f}",
-                        vloss=f"{row['value_loss']:.3f}",
-                        ev=f"{row['explained_variance'] or 0:.2f}",
-                        kl=f"{row['kl']:.4f}",
-                        s=f"{row['step_seconds']:.1f}",
+                    record.step(
+                        step, batch, train_stats, publish(experience, engine, cfg, step, batch.groups)
                     )
-            if (
-                env.is_main
-                and tc.sample_log_steps
-                and (step // tc.sample_log_steps > (step - 1) // tc.sample_log_steps or step == 1)
-            ):
-                write_samples(run_dir, step, sample_rows(groups, cfg.data.prefill))
-            if tc.save_steps and step // tc.save_steps > last_saved // tc.save_steps:
-                save(checkpoints_dir, step, engine, forward, env, generator, tokenizer, experience, tc)
-                last_saved = step
-    finally:
-        bar.close()
-        if logger is not None:
-            logger.close()
-        if experience is not None and step < tc.max_steps:
-            experience.close(finished=False)  # interrupted or failed: samplers will see a restarted trainer
-    try:
-        if last_saved != step:
-            save(checkpoints_dir, step, engine, forward, env, generator, tokenizer, experience, tc)
-        return export_final(engine, env, tokenizer, run_dir / "final", write_extra=forward.save_value_head)
-    finally:
-        if experience is not None:
-            experience.close(finished=True)  # samplers stop once the final model is safe
+            record.end_batch(step, batch)
+    final = cfg.run_dir / "final"
+    return record.finish(
+        step,
+        experience,
+        lambda: export_final(engine, env, tokenizer, final, write_extra=forward.save_value_head),
+    )
 
 
-def scatter_batch(env: DistEnv, samples: list[Sample], cfg: Config) -> list[Share]:
-    """This rank's share of each optimizer batch of one batch of groups (rank 0 cuts the batch into
-    optimizer batches and splits each by whole groups, as GRPO does; the other ranks pass [])."""
-    tc = cfg.training
-    num_samples = broadcast_after_waits(env, len(samples) if env.is_main else None)
-    batch_size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
-    return [
-        scatter_share(env, samples[first : first + batch_size] if env.is_main else None, cfg)
-        for first in range(0, num_samples, batch_size)
-    ]
+def progress(row: dict) -> dict:
+    """What the progress bar shows of a row."""
+    return dict(
+        reward=f"{row['reward_mean']:.2f}",
+        vloss=f"{row['value_loss']:.3f}",
+        ev=f"{row['explained_variance'] or 0:.2f}",
+        kl=f"{row['kl']:.4f}",
+        s=f"{row['step_seconds']:.1f}",
+    )
 
 
-def padded_micro_batches(share: Share, micro_batch_size: int) -> list[tuple[list[Sample], float]]:
-    """(micro-batch, weight): a short share repeats its last micro-batch with weight 0, so that
-    every rank runs share.num_micro forwards and backwards (DDP's and ZeRO's collectives)."""
-    micro_batches = split_micro_batches(share.samples, micro_batch_size)
-    weights = [0.0 if share.padding else 1.0] * len(micro_batches)
-    while len(micro_batches) < share.num_micro:
-        micro_batches.append(micro_batches[-1])
-        weights.append(0.0)
-    return list(zip(micro_batches, weights))
+def padded_micro_batches(share: Share, micro_batch_size: int) -> list[tuple[list, float]]:
+    """(micro-batch, weight) pairs of this rank's share, share.num_micro of them (distributed.batches)."""
+    return pad_micro_batches(
+        split_micro_batches(share.samples, micro_batch_size),
+        share.num_micro,
+        stand_in=share.samples,
+        weight=0.0 if share.padding else 1.0,
+    )
 
 
 @torch.no_grad()
@@ -236,9 +173,9 @@ def prepare_batch(
     pc, tc = cfg.ppo, cfg.training
     kl_in_reward = pc.kl_coef if pc.kl_mode == "reward" else 0.0
     engine.model.eval()
-    batches, local_tokens = [], []
-    # over real tokens of every optimizer batch: n, sum A, sum R, sum R^2, sum (R - V), sum (R - V)^2, sum V
-    sums = [0.0] * 7
+    batches, tokens = [], {}
+    # over the real tokens of every optimizer batch; residual = R - V_old
+    sums = dict.fromkeys(("n", "adv", "ret", "ret_sq", "res", "res_sq", "value"), 0.0)
     for share in shares:
         micros = []
         for samples, weight in padded_micro_batches(share, tc.micro_batch_size):
@@ -256,25 +193,27 @@ def prepare_batch(
             if weight:
                 keep = mask.double()
                 residual = (returns - old_values).double()
-                for k, value in enumerate(
-                    (
-                        keep.sum(),
-                        (advantages.double() * keep).sum(),
-                        (returns.double() * keep).sum(),
-                        (returns.double() ** 2 * keep).sum(),
-                        (residual * keep).sum(),
-                        (residual**2 * keep).sum(),
-                        (old_values.double() * keep).sum(),
-                    )
+                for key, value in (
+                    ("n", keep.sum()),
+                    ("adv", (advantages.double() * keep).sum()),
+                    ("ret", (returns.double() * keep).sum()),
+                    ("ret_sq", (returns.double() ** 2 * keep).sum()),
+                    ("res", (residual * keep).sum()),
+                    ("res_sq", (residual**2 * keep).sum()),
+                    ("value", (old_values.double() * keep).sum()),
                 ):
-                    sums[k] += float(value)
-        local_tokens.append(sum(float(m.batch.completion_mask.sum()) for m in micros if m.weight))
+                    sums[key] += float(value)
+        tokens[f"tokens_{len(batches)}"] = sum(
+            float(m.batch.completion_mask.sum()) for m in micros if m.weight
+        )
         batches.append(OptimizerBatch(micros, 0.0, share.num_global))
-    reduced = all_reduce_sum(env, [*local_tokens, *sums])
-    for batch, num_tokens in zip(batches, reduced[: len(batches)]):
-        batch.num_tokens = num_tokens
-    n, adv_sum, ret_sum, ret_sq, res_sum, res_sq, value_sum = reduced[len(batches) :]
-    n = max(n, 1.0)
+    reduced = all_reduce_dict(env, {**tokens, **sums})
+    for i, batch in enumerate(batches):
+        batch.num_tokens = reduced[f"tokens_{i}"]
+    n = max(reduced["n"], 1.0)
+    adv_sum, ret_sum, ret_sq, res_sum, res_sq, value_sum = (
+        reduced[k] for k in ("adv", "ret", "ret_sq", "res", "res_sq", "value")
+    )
     stats = {
         "returns_mean": ret_sum / n,
         "values_mean": value_sum / n,
@@ -295,7 +234,7 @@ def whiten_global(batches: list[OptimizerBatch], mean: float, n: float, env: Dis
         for m in micros
         if m.weight
     )
-    (squares,) = all_reduce_sum(env, [squares])
+    squares = all_reduce_dict(env, {"squares": squares})["squares"]
     for m in micros:
         m.advantages = whiten(m.advantages, m.batch.completion_mask, moments=(mean, squares / n))
 
@@ -334,8 +273,10 @@ def optimizer_step(
     lr = engine.lr()
     t0 = time.perf_counter()
     engine.model.train()
-    # loss, policy loss, value loss, then token-weighted: kl, clip, approx_kl, ratio dev, vf clip, n
-    sums = [0.0] * 9
+    # the losses, then token-weighted sums (kl, clip, approx_kl, ratio dev, vf clip) and their tokens n
+    sums = dict.fromkeys(
+        ("loss", "policy_loss", "value_loss", "kl", "clip", "approx_kl", "ratio_dev", "vf_clip", "n"), 0.0
+    )
     for i, m in enumerate(batch.micros):
         mb, mask = m.batch, m.batch.completion_mask
         with engine.accumulate(last=i == len(batch.micros) - 1):
@@ -365,23 +306,21 @@ def optimizer_step(
         if m.weight:
             n = ps["num_tokens"]
             ratio_dev = float(((torch.exp(logprobs.detach() - mb.sampler_logprobs) - 1.0).abs() * mask).sum())
-            for k, value in enumerate(
-                (
-                    float(loss.detach()),
-                    float(policy_loss.detach()),
-                    float(v_loss.detach()),
-                    float(kl.detach().sum()),
-                    ps["clip_fraction"] * n,
-                    ps["approx_kl"] * n,
-                    ratio_dev,
-                    vs["value_clip_fraction"] * n,
-                    n,
-                )
+            for key, value in (
+                ("loss", float(loss.detach())),
+                ("policy_loss", float(policy_loss.detach())),
+                ("value_loss", float(v_loss.detach())),
+                ("kl", float(kl.detach().sum())),
+                ("clip", ps["clip_fraction"] * n),
+                ("approx_kl", ps["approx_kl"] * n),
+                ("ratio_dev", ratio_dev),
+                ("vf_clip", vs["value_clip_fraction"] * n),
+                ("n", n),
             ):
-                sums[k] += value
+                sums[key] += value
     t1 = time.perf_counter()
     grad_norm = engine.step()
-    loss, p_loss, v_loss, kl, clip, approx_kl, ratio_dev, vf_clip, n = all_reduce_sum(env, sums)
+    loss, p_loss, v_loss, kl, clip, approx_kl, ratio_dev, vf_clip, n = all_reduce_dict(env, sums).values()
     n = max(n, 1.0)
     return {
         "loss": loss,
@@ -398,18 +337,3 @@ def optimizer_step(
         "time_train": t1 - t0,
         "time_optimizer": time.perf_counter() - t1,
     }
-
-
-def save(checkpoints_dir, step, engine, forward, env, generator, tokenizer, experience, tc) -> None:
-    state = {"experience": experience.state_dict()} if env.is_main else {}
-    run.save(
-        checkpoints_dir,
-        step,
-        engine,
-        env,
-        generator,
-        tokenizer,
-        state,
-        tc.save_total_limit,
-        write_extra=forward.save_value_head,
-    )
