@@ -105,14 +105,26 @@ class Batch:
 
 class RankBatches:
     """Batches of groups for every rank. Rank 0 takes `prompts_per_step` groups from the experience,
-    makes samples (advantages per `advantages`: flatten_groups' keywords) and tells the experience
-    how many optimizer steps they make (the samplers' pacing); then every rank receives its shares."""
+    makes samples (flatten_groups: advantages rescaled per `scale_rewards`, zero-variance groups
+    skipped or not) and tells the experience how many optimizer steps they make (the samplers'
+    pacing); then every rank receives its shares."""
 
     def __init__(
-        self, cfg: Config, env: DistEnv, experience, step: int, *, num_iterations: int, **advantages
+        self,
+        cfg: Config,
+        env: DistEnv,
+        experience,
+        step: int,
+        *,
+        num_iterations: int,
+        scale_rewards: str,
+        adv_eps: float,
+        skip_zero_variance: bool,
     ):
-        self.cfg, self.env, self.experience = cfg, env, experience
-        self.num_iterations, self.advantages = num_iterations, advantages
+        self.cfg, self.env, self.experience, self.num_iterations = cfg, env, experience, num_iterations
+        self.advantages = dict(
+            scale_rewards=scale_rewards, adv_eps=adv_eps, skip_zero_variance=skip_zero_variance
+        )
         full_batch = cfg.grpo.prompts_per_step * cfg.sampling.num_generations
         self.steps_per_batch = batch_steps(cfg.training, full_batch, num_iterations, env.world_size)
         if experience is not None:
