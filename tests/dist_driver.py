@@ -3,6 +3,9 @@ real engine (none / ddp / deepspeed ZeRO-1/2/3) on fixed, seeded groups; rank 0 
 parameters and per-step stats, so runs at different world sizes and strategies can be compared.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_driver.py MODEL_DIR OUT.pt key=value...
+
+POISON_STEP=k gives one completion of step k an infinite advantage (its loss and gradient are then
+non-finite, so the engine must skip that step); LEAVE_OUT_STEP=k runs no step k at all.
 """
 
 from __future__ import annotations
@@ -89,16 +92,22 @@ def main() -> None:
     loaded = {"held_at_load": held(model, env), **sizes(model, env)}
     engine = build_engine(model, tc, env, device)
     rows = []
+    poison, leave_out = (int(os.environ.get(k, -1)) for k in ("POISON_STEP", "LEAVE_OUT_STEP"))
     for step in range(NUM_STEPS):
+        if step == leave_out:
+            continue
         samples = []
         if env.is_main:
             groups = fixed_groups(
                 step, cfg.grpo.prompts_per_step, cfg.sampling.num_generations, model.config.vocab_size
             )
             samples = flatten_groups(groups, scale_rewards="group", adv_eps=1e-4, skip_zero_variance=False)
+            if step == poison:
+                samples[0].advantage = float("inf")
         share = scatter_share(env, samples if env.is_main else None, cfg)
         stats = optimizer_step(engine, share, cfg, device, env)
-        rows.append({k: stats[k] for k in ("loss", "kl", "grad_norm", "lr", "num_train_sequences")})
+        keys = ("loss", "kl", "grad_norm", "lr", "num_train_sequences", "skipped_nonfinite")
+        rows.append({k: stats[k] for k in keys})
     loaded["held_after_steps"] = held(engine.module, env)
     with engine.gathered():
         if env.is_main:

@@ -215,6 +215,8 @@ class TrainingConfig:
     # AVX512-BF16/AMX), else fp16 on CUDA, else no; the log and config.yaml say what was chosen
     mixed_precision: str = "no"
     max_grad_norm: float = 1.0  # 0 = no clipping
+    # a step whose loss or gradient is NaN/inf is skipped (weights unchanged); this many in a row stop the run
+    max_nonfinite_steps: int = 10
     gradient_checkpointing: bool = False
     save_steps: int = 50  # 0 = only the final save
     save_total_limit: int = 2  # 0 = keep all
@@ -623,6 +625,7 @@ _BOUNDS: list[tuple[str, Callable[[Any], bool], str]] = [
     ("training.micro_batch_size", lambda v: v >= 1, ">= 1"),
     ("training.gradient_accumulation_steps", lambda v: v >= 1, ">= 1"),
     ("training.max_grad_norm", lambda v: v >= 0, ">= 0 (0 = no clipping)"),
+    ("training.max_nonfinite_steps", lambda v: v >= 1, ">= 1"),
     ("training.save_steps", lambda v: v >= 0, ">= 0 (0 = only the final save)"),
     ("training.save_total_limit", lambda v: v >= 0, ">= 0 (0 = keep all)"),
     ("training.logging_steps", lambda v: v >= 1, ">= 1"),

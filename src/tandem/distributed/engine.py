@@ -6,7 +6,7 @@
             logprobs = engine.model(packed_rows)     # the policy's token log-probs (forward.py)
             loss = loss_of(logprobs, micro)          # divided by the GLOBAL count of the batch
             engine.backward(loss)
-    grad_norm = engine.step()                       # clip, optimizer, lr schedule
+    grad_norm = engine.step()                       # clip, optimizer, lr schedule (or a skip)
     with engine.gathered():                         # full parameters in engine.module (all ranks)
         ...                                         # rank 0: publish weights, export
 
@@ -18,6 +18,12 @@ gathers parameters inside forward.
 
 `TorchEngine` serves `none` and `ddp`; `DeepSpeedEngine` serves ZeRO-1/2/3 (with CPU/NVMe
 offload); under ZeRO-3 the policy comes to it already sharded (loaded inside `partitioned_loading`).
+A step whose gradient norm is NaN or inf (a non-finite loss, an overflow) is skipped the way loss
+scalers skip: no optimizer or schedule step, gradients dropped, `engine.last_step_skipped` set. The
+gradient norm is the same on every rank after the reduction, so all ranks skip together.
+`training.max_nonfinite_steps` skips in a row raise `NonFiniteSteps` naming the step: a diverged run
+stops with its last finite weights rather than saving NaN.
+
 Only this package imports torch.distributed or deepspeed.
 """
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -38,6 +45,48 @@ from tandem.distributed.runtime import grad_scaler, trim_memory
 from tandem.models.forward import PackedLogprobsModule
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteSteps(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite gradient; the weights are those before them."""
+
+
+class SkipCount:
+    """The steps an engine has taken and skipped. `steps_done` is the run's step count (a resumed
+    run's checkpoint sets it), so a message names the step the metrics row will carry."""
+
+    def __init__(self, limit: int):
+        self.limit, self.steps_done, self.skipped, self.in_a_row = limit, 0, 0, 0
+        self.last_skipped = False
+
+    def nothing_to_learn(self) -> None:
+        """A step with no data to train on (GRPO: every group had zero reward variance) still counts."""
+        self.steps_done += 1
+        self.last_skipped = False
+
+    def record(self, grad_norm: float, applied: bool) -> None:
+        self.steps_done += 1
+        self.last_skipped = not applied
+        if applied:
+            self.in_a_row = 0
+            return
+        self.skipped += 1
+        self.in_a_row += 1
+        log.warning(
+            "step %d: gradient norm %s is not finite; the step is skipped and the weights stay as they "
+            "were (%d in a row, the run stops at training.max_nonfinite_steps=%d)",
+            self.steps_done,
+            grad_norm,
+            self.in_a_row,
+            self.limit,
+        )
+        if self.in_a_row >= self.limit:
+            raise NonFiniteSteps(
+                f"step {self.steps_done}: {self.in_a_row} optimizer steps in a row had a non-finite loss "
+                f"or gradient (last gradient norm {grad_norm}); stopping with the weights of step "
+                f"{self.steps_done - self.in_a_row}. Look for a diverging learning rate or non-finite "
+                "rewards/advantages; training.max_nonfinite_steps sets how many skips are tolerated"
+            )
 
 
 class TorchEngine:
@@ -58,6 +107,7 @@ class TorchEngine:
         self.optimizer = build_optimizer(forward if forward is not None else module, tc)
         self.scheduler = build_scheduler(self.optimizer, tc)
         self.scaler = grad_scaler(device, tc.mixed_precision)
+        self.skips = SkipCount(tc.max_nonfinite_steps)
         self.model: torch.nn.Module = forward if forward is not None else PackedLogprobsModule(module)
         if env.active:
             from torch.nn.parallel import DistributedDataParallel
@@ -87,16 +137,20 @@ class TorchEngine:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.tc.max_grad_norm if self.tc.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        applied = math.isfinite(grad_norm)
+        if applied:  # a fp16 scaler that found inf/NaN would skip as well; it only lowers its scale
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
+            self.scheduler.step()
         if self.scaler:
-            self.scaler.step(self.optimizer)
             self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
         # free the gradients now, not at the next zero_grad: the next batch's generation then
         # runs without a model-sized buffer held (peak memory)
         self.optimizer.zero_grad(set_to_none=True)
         trim_memory()
+        self.skips.record(grad_norm, applied)
         return grad_norm
 
     def lr(self) -> float:
@@ -175,6 +229,7 @@ class DeepSpeedEngine:
         )
         self.module = module
         self.config = config
+        self.skips = SkipCount(tc.max_nonfinite_steps)
 
     def accumulate(self, *, last: bool):
         self.model.set_gradient_accumulation_boundary(last)
@@ -185,10 +240,16 @@ class DeepSpeedEngine:
         trim_memory()
 
     def step(self) -> float:
+        """DeepSpeed itself skips a step with a non-finite gradient norm (ZeRO-1/2 in fp32 and bf16,
+        ZeRO-3 always, any stage's fp16 loss scaler) and counts it in `skipped_steps`."""
+        skipped_before = self.model.skipped_steps
         self.model.step()
         trim_memory()
+        applied = self.model.skipped_steps == skipped_before
         norm = self.model.get_global_grad_norm()
-        return float(norm) if norm is not None else 0.0
+        grad_norm = float(norm) if norm is not None else 0.0
+        self.skips.record(grad_norm if applied else float("nan"), applied)
+        return grad_norm if applied else float("nan")
 
     def lr(self) -> float:
         return float(self.model.get_lr()[0])

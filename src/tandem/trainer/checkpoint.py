@@ -27,6 +27,18 @@ STATE_FILE = "trainer_state.json"
 log = logging.getLogger(__name__)
 
 
+class NonFiniteWeights(RuntimeError):
+    """A tensor about to be saved holds NaN or inf; nothing was written."""
+
+
+def require_finite(module: torch.nn.Module, what: str) -> None:
+    """Refuse to save a model with a NaN or inf anywhere (every rank checks, so all stop together;
+    the engine's skipped steps keep this from happening, this is the last line)."""
+    for name, tensor in module.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise NonFiniteWeights(f"{what}: {name} holds NaN or inf values; refusing to write it")
+
+
 def python_rng_state() -> list:
     version, internal, gauss = random.getstate()
     return [version, list(internal), gauss]
@@ -57,6 +69,7 @@ def save_checkpoint(
     try:
         engine.save(tmp)
         with engine.gathered():
+            require_finite(engine.module, f"checkpoint step-{step}")
             if env.is_main:
                 engine.module.save_pretrained(tmp / "model", safe_serialization=True)
                 if tokenizer is not None:
@@ -232,6 +245,7 @@ def load_checkpoint(
         if load_extra is not None:
             load_extra(path)
     engine.load(path)
+    engine.skips.steps_done = int(state["step"])
     rng_file = path / f"rng-{env.rank}.pt"
     if not rng_file.is_file():
         rng_file = path / "rng-0.pt"

@@ -368,6 +368,7 @@ def optimizer_step(
     return {
         **row_means(env, sums, data),
         "grad_norm": grad_norm,
+        "skipped_nonfinite": engine.skips.last_skipped,
         "lr": lr,
         "num_pairs": len(batch),
     }

@@ -114,9 +114,11 @@ def optimizer_step(engine, share: Share, cfg: Config, device: torch.device, env:
         # every group had zero reward variance and was skipped: nothing to learn from, so no
         # optimizer step and no scheduler step (the lr schedule counts real updates); the step
         # still counts toward max_steps and publishes its version, which keeps the samplers' pacing
+        engine.skips.nothing_to_learn()
         return {
             **stats,
             "grad_norm": 0.0,
+            "skipped_nonfinite": False,
             "lr": lr,
             "num_train_sequences": 0,
             "skipped": True,
@@ -168,6 +170,7 @@ def optimizer_step(engine, share: Share, cfg: Config, device: torch.device, env:
         "clip_fraction": clip / max(num_tokens, 1.0),
         "ratio_abs_dev": dev / max(num_tokens, 1.0),
         "grad_norm": grad_norm,
+        "skipped_nonfinite": engine.skips.last_skipped,
         "lr": lr,
         "num_train_sequences": share.num_global,
         "skipped": False,

@@ -332,6 +332,7 @@ def optimizer_step(
         "ratio_abs_dev": ratio_dev / n,
         "vf_clip_fraction": vf_clip / n,
         "grad_norm": grad_norm,
+        "skipped_nonfinite": engine.skips.last_skipped,
         "lr": lr,
         "num_train_sequences": batch.num_sequences,
         "time_train": t1 - t0,

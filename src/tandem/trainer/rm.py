@@ -181,6 +181,7 @@ def optimizer_step(
         "accuracy": correct / len(batch),
         "margin_mean": margin_sum / len(batch),  # chosen score - rejected score
         "grad_norm": grad_norm,
+        "skipped_nonfinite": engine.skips.last_skipped,
         "lr": lr,
         "pairs": len(batch),
     }

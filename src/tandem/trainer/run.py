@@ -278,6 +278,7 @@ def export_final(
             write_extra(tmp)
 
     with engine.gathered():
+        ckpt.require_finite(engine.module, str(out))
         if env.is_main:
             ckpt.atomic_dir(out, write)
     barrier(env)

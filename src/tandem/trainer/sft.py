@@ -166,6 +166,7 @@ def optimizer_step(
     return {
         "loss": all_reduce_dict(env, {"loss": loss_sum})["loss"],  # the token mean over the whole batch
         "grad_norm": grad_norm,
+        "skipped_nonfinite": engine.skips.last_skipped,
         "lr": lr,
         "tokens": num_tokens,
         "input_tokens": sum(len(e.input_ids) for e in batch),
