@@ -82,6 +82,10 @@ def test_resume_equals_uninterrupted_bit_for_bit(tiny_model_dir, tmp_path):
 
     common = ("training.save_steps=2",)
     train_grpo(tiny_config(tiny_model_dir, tmp_path, "resumed", "training.max_steps=2", *common))
+    # what a trainer killed inside its next save leaves: the restart removes it and resumes from step-2
+    leftover = tmp_path / "resumed" / "checkpoints" / ".tmp-step-4-k1ll3d"
+    (leftover / "model").mkdir(parents=True)
+    (leftover / "model" / "model.safetensors").write_bytes(b"half")
     resumed = train_grpo(
         tiny_config(
             tiny_model_dir,
@@ -93,6 +97,7 @@ def test_resume_equals_uninterrupted_bit_for_bit(tiny_model_dir, tmp_path):
         )
     )
 
+    assert not leftover.exists()
     a, b = weights(straight), weights(resumed)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"

@@ -85,6 +85,52 @@ def test_killed_save_is_ignored_by_resume(tmp_path):
     assert ckpt.resolve_resume("latest", tmp_path).name == "step-2"
 
 
+def _writer_in_a_child(folder, name):
+    """A process that starts an atomic save of folder/name and stays inside it until killed."""
+    script = textwrap.dedent(f"""
+        import time
+        from tandem.trainer import checkpoint as ckpt
+        def slow_write(tmp):
+            (tmp / "model").mkdir()
+            (tmp / "model" / "half.safetensors").write_bytes(b"x" * 1000)
+            print("writing", flush=True)
+            time.sleep(60)
+        ckpt.atomic_dir(ckpt.Path({str(folder)!r}) / {name!r}, slow_write)
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.stdout.readline().strip() == "writing"
+    return proc
+
+
+def test_leftovers_of_killed_saves_are_removed_and_live_ones_kept(tmp_path):
+    """remove_leftovers (called when a run starts) removes the `.tmp-*` folder of a save whose writer
+    was killed, keeps one whose writer still runs, and leaves everything else alone."""
+    from tandem.atomic import remove_leftovers
+
+    _save(tmp_path, 2, _Model())
+    killed = _writer_in_a_child(tmp_path, "step-4")
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    live = _writer_in_a_child(tmp_path, "step-6")
+    try:
+        (tmp_path / ".tmp-notes").write_text("a file, not a save folder")
+        removed = remove_leftovers(tmp_path)
+        assert [p.name.rsplit("-", 1)[0] for p in removed] == [".tmp-step-4"]
+        names = sorted(p.name.rsplit("-", 1)[0] for p in tmp_path.iterdir())
+        assert names == [".tmp", ".tmp-step-6", "step"]  # the live save and the complete step-2
+        assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2]
+    finally:
+        live.kill()
+        live.wait()
+    assert [p.name.rsplit("-", 1)[0] for p in remove_leftovers(tmp_path)] == [".tmp-step-6"]
+    assert not (tmp_path / "step-2" / ".writer").exists()  # the marker never reaches a finished save
+
+
 def test_prune_keeps_newest(tmp_path):
     model = _Model()
     for step in (1, 2, 3, 4):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.atomic import remove_leftovers
 from tandem.config import Config, ConfigError, config_to_dict, dump_config
 from tandem.distributed.engine import is_partitioned, partitioned_loading
 from tandem.distributed.env import DistEnv, barrier, broadcast_json, init_distributed, main_first, shutdown
@@ -83,6 +84,8 @@ def open_run(cfg: Config, env: DistEnv) -> Path | None:
             start = {"resume": str(resume) if resume else None}
             run_dir.mkdir(parents=True, exist_ok=True)
             attach_run_log(run_dir)
+            for folder in (run_dir, run_dir / "checkpoints", run_dir / "weights"):
+                remove_leftovers(folder)  # of saves a killed trainer left half-written
             dump_config(cfg, run_dir / "config.yaml")
             _say_where_it_starts(cfg, resume)
     start = broadcast_json(env, start)
