@@ -124,7 +124,7 @@ def cmd_grpo(args) -> int:
     else:
         sampling, training = default_devices(cfg)
         _prepare_run_dir(cfg)
-        rc = launch(args.config, args.overrides, cfg, sampling, training)
+        rc = launch(args.config, args.overrides, cfg, sampling, training, restarts=_restarts(args))
     if rc == 0:
         _finished(cfg)
     return rc
@@ -187,6 +187,15 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def _restarts(args) -> dict[str, int]:
+    for flag in ("max_restarts", "max_sampler_restarts"):
+        if getattr(args, flag) < 0:
+            from tandem.config import ConfigError
+
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a count >= 0")
+    return {"max_restarts": args.max_restarts, "sampler_restarts": args.max_sampler_restarts}
+
+
 def cmd_launch(args) -> int:
     from tandem.launch import (
         Nodes,
@@ -227,7 +236,7 @@ def cmd_launch(args) -> int:
         raise ConfigError(f"{missing}; --dry-run prints the plan without starting it")
     if nodes.node_rank == 0:  # the other nodes share node 0's output_dir, or keep none
         _prepare_run_dir(cfg)
-    rc = launch_children(children)
+    rc = launch_children(children, **_restarts(args))
     if rc == 0:
         _finished(cfg)
     return rc
@@ -338,8 +347,25 @@ def build_parser() -> argparse.ArgumentParser:
             "overrides", nargs="*", help="dotted key=value overrides, e.g. training.learning_rate=1e-5"
         )
 
+    def restart_args(p):
+        from tandem.launch import SAMPLER_RESTARTS
+
+        p.add_argument(
+            "--max-restarts",
+            type=int,
+            default=0,
+            help="start a trainer that dies again from its latest checkpoint, up to N times (default 0)",
+        )
+        p.add_argument(
+            "--max-sampler-restarts",
+            type=int,
+            default=SAMPLER_RESTARTS,
+            help=f"start a sampler that dies again, up to N times each, with back-off (default {SAMPLER_RESTARTS})",
+        )
+
     p = sub.add_parser("grpo", help="GRPO: sampler and trainer processes on this machine")
     config_args(p)
+    restart_args(p)
     p.set_defaults(func=cmd_grpo)
 
     p = sub.add_parser(
@@ -372,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ppo", help="PPO with a value head: sampler and trainer processes (pipeline.mode=colocated: one)"
     )
     config_args(p)
+    restart_args(p)
     p.set_defaults(func=cmd_grpo)
 
     p = sub.add_parser("sample", help="a GRPO sampler alone: generates groups for a trainer")
@@ -386,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("launch", help="start the trainer and samplers of one run on given devices")
     config_args(p)
+    restart_args(p)
     p.add_argument(
         "--sampling-devices",
         help="one sampler per entry: cpu or GPU ids, e.g. 0 or 0,1 (indices count within an inherited "

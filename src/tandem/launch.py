@@ -22,8 +22,13 @@ the CPU the cores are split between the processes unless `sampling.num_threads` 
 `training.num_threads` say otherwise. `plan` builds the children (commands and environments)
 without starting anything; `describe` is what `--dry-run` prints. The trainer keeps this terminal;
 the samplers write to `<run_dir>/logs/sampler-<id>.log`. Ctrl-C (SIGINT) and SIGTERM are
-forwarded to every child; when one child fails, the others are stopped and the launcher says
-which one failed and shows the end of its log. Children die with the launcher, however it dies
+forwarded to every child. A sampler that dies is started again with the same id (it continues its
+prompt stream and takes the newest weights), after a back-off of 1, 2, 4, ... s (at most 60), up to
+`--max-sampler-restarts` times (5); with `--max-restarts N` a trainer that dies is started again
+from its latest checkpoint (`training.resume_from_checkpoint=latest`) up to N times while the
+samplers keep running, so a kill -9 costs at most the steps since the last save. Each restart is
+logged. When a child fails beyond that, the others are stopped and the launcher says which one
+failed and shows the end of its log. Children die with the launcher, however it dies
 (even by SIGKILL): on Linux each gets SIGTERM when the launcher is gone (prctl PR_SET_PDEATHSIG),
 which torchrun passes on to its ranks; the deepspeed launcher does not, so its process group is
 kept by `keep_group`, which takes all of it down.
@@ -50,6 +55,8 @@ from tandem.config import Config, ConfigError
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 30.0  # after the trainer finished, or after Ctrl-C, before children are killed
+SAMPLER_RESTARTS = 5  # --max-sampler-restarts: each sampler's
+MAX_BACKOFF_S = 60.0
 KEEP_GRACE_S = 10  # keep_group: after SIGTERM, before what is left of the group is killed
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 CVD = "CUDA_VISIBLE_DEVICES"
@@ -66,6 +73,8 @@ class Child:
     gpus: str | None = None  # the CVD the process (each of its ranks) runs with; None: the CPU
     where: str = ""  # where it runs, in words (the dry run's heading)
     proc: subprocess.Popen | None = None
+    restarts: int = 0  # how many times the launcher has started it again
+    restart_at: float | None = None  # monotonic time of the next start after a death (back-off)
 
 
 @dataclass
@@ -448,30 +457,38 @@ def _others_in_group() -> bool:
 
 
 class Launcher:
-    def __init__(self, children: list[Child]) -> None:
+    def __init__(
+        self, children: list[Child], *, max_restarts: int = 0, sampler_restarts: int = SAMPLER_RESTARTS
+    ) -> None:
         self.children = children
+        self.max_restarts, self.sampler_restarts = max_restarts, sampler_restarts
         self._stopping = False
 
     def start(self) -> None:
         for child in self.children:
-            out = None
-            if child.log_path is not None:
-                child.log_path.parent.mkdir(parents=True, exist_ok=True)
-                out = child.log_path.open("ab")
-            # a session of its own: the launcher alone decides when a child gets a signal, and
-            # SIGTERM when the launcher is gone (called from this thread: its exit is what counts)
-            child.proc = subprocess.Popen(
-                command_line(child),
-                env=child_environ(child, os.environ),
-                stdout=out,
-                stderr=subprocess.STDOUT if out else None,
-                start_new_session=True,
-                preexec_fn=die_with_parent(),
-            )
-            if out is not None:
-                out.close()
-            where = f" (log: {child.log_path})" if child.log_path else ""
-            log.info("started %s, pid %d%s", child.name, child.proc.pid, where)
+            self._start(child)
+
+    def _start(self, child: Child) -> None:
+        out = None
+        if child.log_path is not None:
+            child.log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = child.log_path.open("ab")
+        # a session of its own: the launcher alone decides when a child gets a signal, and
+        # SIGTERM when the launcher is gone (called from this thread: its exit is what counts)
+        child.proc = subprocess.Popen(
+            command_line(child),
+            env=child_environ(child, os.environ),
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
+        )
+        child.restart_at = None
+        if out is not None:
+            out.close()
+        where = f" (log: {child.log_path})" if child.log_path else ""
+        again = f" again (restart {child.restarts})" if child.restarts else ""
+        log.info("started %s%s, pid %d%s", child.name, again, child.proc.pid, where)
 
     def signal_all(self, sig: int) -> None:
         for child in self.children:
@@ -489,22 +506,47 @@ class Launcher:
             child.proc.wait()
 
     def wait(self) -> int:
-        """Until the trainer finishes (0) or a child fails (its exit code, or 1)."""
+        """Until the trainer finishes (0) or a child fails beyond its restarts (its exit code)."""
         trainer, samplers = self.children[0], self.children[1:]
         while True:
-            rc = trainer.proc.poll()
+            rc = trainer.proc.poll() if trainer.restart_at is None else None
             if rc == 0:
                 self._wait_samplers(samplers)
                 return 0
-            if rc is not None:
+            if rc is not None and not self._restart_later(trainer, rc, self.max_restarts):
                 self._failed(trainer, rc)
                 return rc
             for child in samplers:
-                rc = child.proc.poll()
-                if rc:  # 0: the trainer said it has finished, and is writing its final model
+                rc = child.proc.poll() if child.restart_at is None else None
+                # 0: the trainer said it has finished, and is writing its final model
+                if rc and not self._restart_later(child, rc, self.sampler_restarts):
                     self._failed(child, rc)
                     return rc
+            now = time.monotonic()
+            for child in self.children:
+                if child.restart_at is not None and now >= child.restart_at:
+                    if child is trainer:  # from its newest checkpoint, whatever the first start said
+                        child.cmd = [*child.cmd, "training.resume_from_checkpoint=latest"]
+                    self._start(child)
             time.sleep(0.2)
+
+    def _restart_later(self, child: Child, rc: int, allowed: int) -> bool:
+        """Schedule `child`'s next start after a back-off, if it has restarts left."""
+        if child.restarts >= allowed:
+            return False
+        child.restarts += 1
+        delay = min(MAX_BACKOFF_S, 2.0 ** (child.restarts - 1))
+        child.restart_at = time.monotonic() + delay
+        how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        log.warning(
+            "%s %s; starting it again in %.0f s (restart %d of %d)",
+            child.name,
+            how,
+            delay,
+            child.restarts,
+            allowed,
+        )
+        return True
 
     def _wait_samplers(self, samplers: list[Child]) -> None:
         deadline = time.monotonic() + STOP_GRACE_S
@@ -528,15 +570,21 @@ def launch(
     sampling_devices: list[str],
     training_devices: list[str],
     nodes: Nodes | None = None,
+    *,
+    restarts: Mapping[str, int] | None = None,
 ) -> int:
     """`plan`, then `launch_children`: the decoupled `tandem grpo` / `tandem ppo`."""
-    return launch_children(plan(config_path, overrides, cfg, sampling_devices, training_devices, nodes))
+    children = plan(config_path, overrides, cfg, sampling_devices, training_devices, nodes)
+    return launch_children(children, **(restarts or {}))
 
 
-def launch_children(children: list[Child]) -> int:
+def launch_children(
+    children: list[Child], *, max_restarts: int = 0, sampler_restarts: int = SAMPLER_RESTARTS
+) -> int:
     """Start `children` (from `plan`) and wait: 0 when the trainer finished, else the failed
-    child's exit code, or 130 after Ctrl-C / SIGTERM."""
-    launcher = Launcher(children)
+    child's exit code, or 130 after Ctrl-C / SIGTERM. `max_restarts`: the trainer's restarts,
+    `sampler_restarts`: each sampler's."""
+    launcher = Launcher(children, max_restarts=max_restarts, sampler_restarts=sampler_restarts)
 
     def forward(signum, frame):
         raise KeyboardInterrupt

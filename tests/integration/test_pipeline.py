@@ -375,7 +375,10 @@ def _children(proc: subprocess.Popen) -> list[psutil.Process]:
 @pytest.mark.parametrize("how", ["sampler_dies", "ctrl_c"])
 def test_launch_stops_every_process(make_run, how):
     run = make_run(f"launch_{how}", "training.max_steps=1000")
-    proc = run.start("launch", "--sampling-devices", "cpu", "--training-devices", "cpu", log="launch")
+    no_restarts = ("--max-sampler-restarts", "0")
+    proc = run.start(
+        "launch", "--sampling-devices", "cpu", "--training-devices", "cpu", *no_restarts, log="launch"
+    )
     run.wait_for(lambda: len(run.rows()) >= 1, "a first step")
     children = _children(proc)
     assert len(children) == 2
@@ -391,6 +394,41 @@ def test_launch_stops_every_process(make_run, how):
         assert rc == 130, run.log("launch")[-3000:]
         assert "interrupted" in run.log("launch")
     assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in children)
+
+
+def test_launch_brings_back_a_killed_sampler_and_a_killed_trainer(make_run):
+    """kill -9 of the sampler, then of the trainer: the launcher starts each again (the trainer from
+    its latest checkpoint), the run finishes, every step is recorded once and a final model is
+    written; the restarts are in the launcher's log."""
+    run = make_run("restarts", "training.max_steps=30", "training.save_steps=2")
+    proc = run.start(
+        "launch",
+        "--sampling-devices",
+        "cpu",
+        "--training-devices",
+        "cpu",
+        "--max-restarts",
+        "1",
+        log="launch",
+    )
+    try:
+        run.wait_for(lambda: len(run.rows()) >= 1, "a first step")
+        sampler = next(c for c in _children(proc) if "sample" in c.cmdline())
+        sampler.kill()
+        run.wait_for(
+            lambda: "sampler s0 was killed by signal 9; starting it again" in run.log("launch"), "the restart"
+        )
+        run.wait_for(lambda: len(run.rows()) >= 5, "step 5")  # checkpoints at steps 2 and 4
+        trainer = next(c for c in _children(proc) if " train " in " ".join(c.cmdline()))
+        trainer.kill()
+        assert run.wait(proc, "launch", timeout=WAIT_S) == 0, run.log("launch")[-3000:]
+    finally:
+        run.kill_all()
+    text = run.log("launch")
+    assert "trainer was killed by signal 9; starting it again in 1 s (restart 1 of 1)" in text
+    assert "started trainer again (restart 1)" in text and "started sampler s0 again (restart 1)" in text
+    assert [r["step"] for r in run.rows()] == list(range(1, 31))
+    assert (run.dir / "final" / "config.json").is_file()
 
 
 def test_a_taken_port_stops_the_trainer_with_a_clear_error(make_run):
