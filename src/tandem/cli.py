@@ -477,9 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
         "show", help="print CONFIG with overrides applied, every default written out, seed keys translated"
     )
     config_args(show)
-    show.add_argument(
-        "--method", choices=get_args(Method), help="check it is for this method"
-    )
+    show.add_argument("--method", choices=get_args(Method), help="check it is for this method")
     show.set_defaults(func=cmd_config_show)
 
     p = sub.add_parser("doctor", help="what this machine and install can run")
