@@ -51,7 +51,7 @@ def main() -> None:
         samples = []
         if env.is_main:
             groups = fixed_groups(
-                index, cfg.grpo.prompts_per_step, cfg.sampling.num_generations, model.config.vocab_size
+                index, cfg.prompts_per_step, cfg.sampling.num_generations, model.config.vocab_size
             )
             samples = flatten_groups(groups, scale_rewards="none", adv_eps=0.0, skip_zero_variance=False)
         batches, stats = prepare_batch(engine, scatter_batch(env, samples, cfg), cfg, device, env)

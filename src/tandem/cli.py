@@ -28,8 +28,10 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import get_args
 
 from tandem import __version__
+from tandem.config import Method, PreferenceTask
 
 log = logging.getLogger("tandem")
 
@@ -391,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=f"{text}. Several ranks: torchrun or tandem launch.")
         config_args(p)
         if name == "rm":
-            p.add_argument("--task", choices=["helpful", "harmless"], help="rm.task (which preference set)")
+            p.add_argument("--task", choices=get_args(PreferenceTask), help="rm.task (which preference set)")
         p.set_defaults(func=cmd_method)
 
     p = sub.add_parser(
@@ -503,9 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
         "show", help="print CONFIG with overrides applied, every default written out, seed keys translated"
     )
     config_args(show)
-    show.add_argument(
-        "--method", choices=["grpo", "sft", "rm", "dpo", "ppo"], help="check it is for this method"
-    )
+    show.add_argument("--method", choices=get_args(Method), help="check it is for this method")
     show.set_defaults(func=cmd_config_show)
 
     p = sub.add_parser("doctor", help="what this machine and install can run")

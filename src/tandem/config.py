@@ -1,23 +1,56 @@
-"""The config tree: typed dataclasses, YAML loading with dotted `key=value` overrides, validation, dump.
+"""The config tree: typed dataclasses whose fields carry their choices (`Literal`) and whose sections
+check their own bounds (`check()`), plus `load_config`, validation across sections and dump.
 
-`load_config("configs/grpo.yaml", ["training.learning_rate=1e-5"])` returns a validated `Config`.
+`load_config("configs/grpo.yaml", ["training.learning_rate=1e-5"])` returns a validated `Config`;
+the conversion from YAML and overrides is config_convert.py's.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import difflib
 import logging
+import math
+import numbers
 import re
 import types
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
+
+from tandem.config_convert import ConfigError, apply_overrides, from_dict, join, read_yaml
+
+__all__ = [
+    "DEFAULT_SYSTEM_PROMPT",
+    "Config",
+    "ConfigError",
+    "CurveConfig",
+    "DPOConfig",
+    "DataConfig",
+    "GRPOConfig",
+    "LoraSpec",
+    "ModelConfig",
+    "PPOConfig",
+    "PipelineConfig",
+    "RewardModelConfig",
+    "RewardSpec",
+    "SFTConfig",
+    "SafeMMConfig",
+    "SamplingConfig",
+    "TrainingConfig",
+    "apply_overrides",
+    "check_method",
+    "check_rewards",
+    "config_from_dict",
+    "config_to_dict",
+    "dump_config",
+    "load_config",
+    "validate",
+    "validate_batch",
+]
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a careful math solver. First reason step by step inside <think> </think>. "
@@ -25,27 +58,66 @@ DEFAULT_SYSTEM_PROMPT = (
     "Use exactly this format: <think> reasoning </think><answer> number </answer>"
 )
 
-DTYPES = ("float32", "bfloat16", "float16")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-REWARD_TYPES = ("answer", "format", "format_partial", "function", "model")
-METHODS = ("grpo", "sft", "rm", "dpo", "ppo")
-SCALE_REWARDS = ("group", "batch", "none")
-LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
-LR_SCHEDULERS = ("constant", "cosine", "linear")
-MIXED_PRECISIONS = ("no", "bf16", "fp16", "auto")
-REPORTERS = ("tensorboard", "wandb")
-DISTRIBUTED_STRATEGIES = ("none", "ddp", "deepspeed", "auto")
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-DIST_BACKENDS = ("auto", "nccl", "gloo")
-PIPELINE_MODES = ("decoupled", "colocated")
-SYNC_METHODS = ("zmq", "fs")
-
+# choice sets that several fields (or the CLI) share; a field's own set is written on the field.
+# `typing.get_args(Method)` gives the tuple.
+Method = Literal["grpo", "sft", "rm", "dpo", "ppo"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+RewardType = Literal["answer", "format", "format_partial", "function", "model"]
+PreferenceTask = Literal["helpful", "harmless"]
+DistributedStrategy = Literal["none", "ddp", "deepspeed", "auto"]
+DistBackend = Literal["auto", "nccl", "gloo"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
 
 log = logging.getLogger(__name__)
 
+# ---------------------------------------------------------------- how a section checks itself
 
-class ConfigError(ValueError):
-    """A user mistake in the config; the message names the dotted key and the fix."""
+Rule = tuple[Callable[[Any], bool], str]  # (check, what the value must be)
+
+
+def _at_least(n: int | float, note: str = "") -> Rule:
+    return (lambda v: v >= n), f">= {n}" + (f" ({note})" if note else "")
+
+
+def _above(n: int | float, note: str = "") -> Rule:
+    return (lambda v: v > n), f"> {n}" + (f" ({note})" if note else "")
+
+
+def _within(low: float, high: float, *, open_low: bool = False, open_high: bool = False) -> Rule:
+    def ok(v: float) -> bool:
+        return (low < v if open_low else low <= v) and (v < high if open_high else v <= high)
+
+    return ok, f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+
+
+def _check(section: Any, key: str, **rules: Rule) -> None:
+    """Check `section`'s choice fields against their `Literal` and the named fields against `rules`;
+    `key` is the section's dotted path ("" at the top), for the messages."""
+    for name, tp in typing.get_type_hints(type(section)).items():
+        _check_choice(getattr(section, name), tp, join(key, name))
+    for name, (ok, must_be) in rules.items():
+        value = getattr(section, name)
+        if not ok(value):
+            raise ConfigError(f"`{join(key, name)}` is {value!r}; it must be {must_be}")
+
+
+def _check_choice(value: Any, tp: Any, key: str) -> None:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal and value not in args:
+        raise ConfigError(f"`{key}` is {value!r}; choose one of: {', '.join(args)}")
+    if origin in (typing.Union, types.UnionType):  # `X | None`
+        (inner,) = [a for a in args if a is not type(None)]
+        choices = typing.get_args(inner) if typing.get_origin(inner) is Literal else None
+        if value is not None and choices is not None and value not in choices:
+            raise ConfigError(f"`{key}` is {value!r}; choose one of: {', '.join(choices)} or null")
+    if origin is list and typing.get_origin(args[0]) is Literal:
+        choices = typing.get_args(args[0])
+        for i, item in enumerate(value):
+            if item not in choices:
+                raise ConfigError(f"`{key}[{i}]` is {item!r}; choose from: {', '.join(choices)}")
+
+
+# ---------------------------------------------------------------- the sections
 
 
 @dataclass
@@ -59,7 +131,11 @@ class LoraSpec:
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
-    sync: str = "adapter"  # what samplers receive: adapter (only the LoRA weights) | merged (full weights)
+    # what samplers receive: adapter (only the LoRA weights) | merged (full weights)
+    sync: Literal["adapter", "merged"] = "adapter"
+
+    def check(self, key: str = "model.lora") -> None:
+        _check(self, key, r=_at_least(1), alpha=_above(0), dropout=_within(0, 1, open_high=True))
 
 
 @dataclass
@@ -68,10 +144,14 @@ class ModelConfig:
     reference: str | None = None  # None = a frozen copy of the policy's initial weights
     reference_offload: bool = False  # load the reference for each batch's log-probs only (less peak memory)
     tokenizer: str | None = None  # None = the policy's
-    dtype: str = "float32"  # master weights: float32 | bfloat16 | float16
+    dtype: Dtype = "float32"  # master weights
     trust_remote_code: bool = False
-    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     lora: LoraSpec = field(default_factory=LoraSpec)
+
+    def check(self, key: str = "model") -> None:
+        _check(self, key)
+        self.lora.check(f"{key}.lora")
 
 
 @dataclass
@@ -87,10 +167,26 @@ class DataConfig:
     prefill: str = "<think>"  # text the assistant turn starts with (part of the response)
     shuffle: bool = True
 
+    def check(self, key: str = "data") -> None:
+        _check(
+            self,
+            key,
+            num_examples=_at_least(0, "0 = all"),
+            difficulty=(
+                lambda v: v in (1, 2),
+                "1 (one step, small numbers) or 2 (up to two steps, numbers < 1000)",
+            ),
+            num_eval_examples=_at_least(0),
+            num_shots=_at_least(0),
+        )
+
+
+_FUNCTION_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
 
 @dataclass
 class RewardSpec:
-    type: str  # answer | format | format_partial | function | model
+    type: RewardType
     weight: float = 1.0
     function: str | None = None  # "package.module:function" when type == "function"
     path: str | None = None  # type model: a reward model folder written by `tandem rm` (its final/)
@@ -105,6 +201,41 @@ class RewardSpec:
             return self.function.rpartition(":")[2]
         return self.type
 
+    def check(self, key: str = "rewards[0]") -> None:
+        """The rules of one spec (check_rewards adds those across specs); rewards/registry.py builds
+        only specs that pass."""
+        _check(self, key)
+        weight = self.weight
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+            raise ConfigError(f"`{key}.weight` is {weight!r}; it must be a finite number")
+        if self.type == "function" and not (self.function and _FUNCTION_SPEC.match(self.function)):
+            raise ConfigError(
+                f"`{key}.function` is {self.function!r}; type function needs it as 'package.module:function'"
+            )
+        if self.type != "function" and self.function is not None:
+            raise ConfigError(
+                f"`{key}.function` is set but `{key}.type` is {self.type!r}; set type: function"
+            )
+        if self.type == "model" and not self.path:
+            raise ConfigError(f"`{key}.path` is unset; type model needs the folder a `tandem rm` run wrote")
+        if self.type != "model" and self.path is not None:
+            raise ConfigError(f"`{key}.path` is set but `{key}.type` is {self.type!r}; set type: model")
+
+
+def check_rewards(rewards: Sequence[RewardSpec]) -> None:
+    """Every spec's rules, at least one spec, and distinct names (the keys of reward_info)."""
+    if not rewards:
+        raise ConfigError("`rewards` is empty; add at least one, e.g. rewards: [{type: answer}]")
+    seen: set[str] = set()
+    for i, spec in enumerate(rewards):
+        key = f"rewards[{i}]"
+        spec.check(key)
+        if spec.resolved_name in seen:
+            raise ConfigError(
+                f"`{key}.name`: two rewards are named {spec.resolved_name!r}; give each a distinct name"
+            )
+        seen.add(spec.resolved_name)
+
 
 @dataclass
 class SamplingConfig:
@@ -113,22 +244,47 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    dtype: str = "bfloat16"  # rollout copy of the policy: float32 | bfloat16 | float16
+    dtype: Dtype = "bfloat16"  # rollout copy of the policy
     batch_size: int = 32  # sequences per generation call
     num_threads: int = 0  # sampler process CPU threads, 0 = split the cores with the trainer
+
+    def check(self, key: str = "sampling") -> None:
+        _check(
+            self,
+            key,
+            num_generations=_at_least(1),
+            max_new_tokens=_at_least(1),
+            temperature=_above(0),
+            top_p=_within(0, 1, open_low=True),
+            top_k=_at_least(0, "0 = off"),
+            batch_size=_at_least(1),
+            num_threads=_at_least(0, "0 = share the cores with the trainer"),
+        )
 
 
 @dataclass
 class GRPOConfig:
-    prompts_per_step: int = 8
-    scale_rewards: str = "group"  # group | batch | none
-    loss_agg: str = "seq-mean-token-mean"  # | token-mean | seq-mean-token-sum-norm
+    prompts_per_step: int = 8  # PPO too, unless ppo.prompts_per_step is set
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     kl_coef: float = 0.04
     num_iterations: int = 1  # optimizer passes over each step's batch
     adv_eps: float = 1e-4  # added to the std when scaling rewards
     skip_zero_variance_groups: bool = False
+
+    def check(self, key: str = "grpo") -> None:
+        _check(
+            self,
+            key,
+            prompts_per_step=_at_least(1),
+            clip_eps_low=_at_least(0),
+            clip_eps_high=_at_least(0),
+            kl_coef=_at_least(0, "0 = no KL term"),
+            num_iterations=_at_least(1),
+            adv_eps=_at_least(0),
+        )
 
 
 @dataclass
@@ -139,13 +295,19 @@ class SFTConfig:
     packing: bool = False  # several examples per row (block-diagonal attention) instead of padding
     max_length: int = 512  # tokens per example, prompt + completion; longer ones are cut from the end
 
+    def check(self, key: str = "sft") -> None:
+        _check(self, key, max_length=_at_least(2))
+
 
 @dataclass
 class RewardModelConfig:
     """`tandem rm`: a Bradley-Terry reward model (a scalar head on a causal LM)."""
 
-    task: str = "helpful"  # helpful | harmless: which built-in preference set data.dataset=synthetic gives
+    task: PreferenceTask = "helpful"  # which built-in preference set data.dataset=synthetic gives
     max_length: int = 512  # tokens per prompt + answer
+
+    def check(self, key: str = "rm") -> None:
+        _check(self, key, max_length=_at_least(2))
 
 
 @dataclass
@@ -170,18 +332,30 @@ class DPOConfig:
     """`tandem dpo`: direct preference optimisation against a frozen reference."""
 
     beta: float = 0.1
-    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"  # sigmoid (DPO) | ipo
     label_smoothing: float = 0.0  # conservative DPO: the chance a label is flipped
-    reference_logps: str = "precompute"  # precompute (once, before training) | online (every batch)
+    # precompute (once, before training) | online (every batch)
+    reference_logps: Literal["precompute", "online"] = "precompute"
     max_length: int = 512  # tokens per prompt + answer
-    task: str = "helpful"  # data.dataset=synthetic: helpful | harmless | mixed (Safe-MM-DPO)
+    task: Literal[PreferenceTask, "mixed"] = "helpful"  # data.dataset=synthetic; mixed: Safe-MM-DPO
     safe_mm: SafeMMConfig = field(default_factory=SafeMMConfig)
+
+    def check(self, key: str = "dpo") -> None:
+        _check(
+            self,
+            key,
+            max_length=_at_least(2),
+            beta=_above(0),
+            label_smoothing=_within(0, 0.5, open_high=True),
+        )
 
 
 @dataclass
 class PPOConfig:
     """`tandem ppo`: PPO with a value head on the policy, on the GRPO sampler/trainer split."""
 
+    # prompts per batch; None: grpo.prompts_per_step (PPO's key before it had its own)
+    prompts_per_step: int | None = None
     clip_eps: float = 0.2
     value_clip_eps: float = 0.2
     vf_coef: float = 0.1  # weight of the value loss
@@ -191,9 +365,25 @@ class PPOConfig:
     gamma: float = 1.0
     lam: float = 0.95  # GAE lambda
     kl_coef: float = 0.05
-    kl_mode: str = "reward"  # reward: -kl_coef * KL per token in the reward | loss: a k3 KL term in the loss
+    # reward: -kl_coef * KL per token in the reward | loss: a k3 KL term in the loss
+    kl_mode: Literal["reward", "loss"] = "reward"
     whiten_advantages: bool = True
     num_iterations: int = 2  # optimizer passes over each batch (PPO epochs)
+
+    def check(self, key: str = "ppo") -> None:
+        _check(
+            self,
+            key,
+            prompts_per_step=(lambda v: v is None or v >= 1, ">= 1, or null for grpo.prompts_per_step"),
+            clip_eps=_at_least(0),
+            value_clip_eps=_at_least(0),
+            vf_coef=_at_least(0),
+            value_learning_rate=(lambda v: v is None or v > 0, "> 0, or null for training.learning_rate"),
+            gamma=_within(0, 1),
+            lam=_within(0, 1),
+            kl_coef=_at_least(0),
+            num_iterations=_at_least(1),
+        )
 
 
 @dataclass
@@ -202,7 +392,7 @@ class TrainingConfig:
     num_epochs: int = 1  # sft, rm, dpo: passes over the data (training stops at max_steps or here)
     eval_steps: int = 0  # sft, rm, dpo: evaluate every N steps (0 = at the end only)
     learning_rate: float = 1e-6
-    lr_scheduler: str = "constant"  # constant | cosine | linear
+    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0  # cosine/linear floor as a fraction of learning_rate
     weight_decay: float = 0.0
@@ -213,7 +403,7 @@ class TrainingConfig:
     gradient_accumulation_steps: int = 4
     # no | bf16 | fp16 | auto: bf16 where the device computes it natively (CUDA with bf16, a CPU with
     # AVX512-BF16/AMX), else fp16 on CUDA, else no; the log and config.yaml say what was chosen
-    mixed_precision: str = "no"
+    mixed_precision: Literal["no", "bf16", "fp16", "auto"] = "no"
     max_grad_norm: float = 1.0  # 0 = no clipping
     # a step whose loss or gradient is NaN/inf is skipped (weights unchanged); this many in a row stop the run
     max_nonfinite_steps: int = 10
@@ -222,33 +412,83 @@ class TrainingConfig:
     save_total_limit: int = 2  # 0 = keep all
     logging_steps: int = 1
     sample_log_steps: int = 10  # write completions to samples/ every N steps (0 = never)
-    report_to: list[str] = field(default_factory=list)  # subset of {"tensorboard", "wandb"}
+    report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
     resume_from_checkpoint: str | None = None  # "latest" | path to checkpoints/step-N
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     num_threads: int = 0  # torch CPU threads, 0 = torch default
     tf32: bool = True  # CUDA: fp32 matmuls on TF32 tensor cores (false: full fp32, slower)
     # none: one process | ddp | deepspeed (ZeRO) | auto: < 1B parameters ddp, 1-7B ZeRO-2, > 7B ZeRO-3
-    distributed_strategy: str = "none"
+    distributed_strategy: DistributedStrategy = "none"
     zero_stage: int = 2  # deepspeed: 1 (optimizer states) | 2 (+ gradients) | 3 (+ parameters) sharded
-    offload_optimizer: str = "none"  # deepspeed: none | cpu | nvme (optimizer states off the GPU)
-    offload_param: str = "none"  # deepspeed ZeRO-3: none | cpu | nvme (parameters off the GPU)
+    offload_optimizer: OffloadDevice = "none"  # deepspeed: optimizer states off the GPU
+    offload_param: OffloadDevice = "none"  # deepspeed ZeRO-3: parameters off the GPU
     # ZeRO-3: load the policy (and DPO's reference) under deepspeed.zero.Init, each rank holding only
     # its shard from the start; false: every rank loads the whole model, then DeepSpeed shards it
     # (for model code that zero.Init cannot build, or to compare with that path)
     zero3_init: bool = True
     nvme_path: str | None = None  # folder for nvme offload
     deepspeed_config: str | None = None  # a DeepSpeed JSON ("auto" values are filled from this config)
-    dist_backend: str = "auto"  # auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
+    dist_backend: DistBackend = "auto"  # auto: nccl on GPUs, gloo on the CPU
     # bf16 under DeepSpeed: autocast (fp32 parameters, forward under torch.autocast, fp32 gradient
     # reduction: computes as DDP does; ZeRO-1/2 hold 4 bytes per parameter replicated instead of 2)
     # | native (DeepSpeed's bf16 mode: bf16 parameters, fp32 master copy; less memory, other rounding)
-    deepspeed_bf16: str = "autocast"
+    deepspeed_bf16: Literal["autocast", "native"] = "autocast"
     # DistributedDataParallel options (strategy ddp), under the names HF TrainingArguments uses
     ddp_find_unused_parameters: bool = False  # true for models whose forward skips some parameters
     ddp_bucket_cap_mb: float = 25.0  # gradient all-reduce bucket size
     ddp_broadcast_buffers: bool = True  # broadcast module buffers from rank 0 at every forward
     # a collective waits this long for a slow rank (rank 0 saving); waiting for samplers never counts
     dist_timeout_s: float = 1800.0
+
+    def check(self, key: str = "training") -> None:
+        _check(
+            self,
+            key,
+            max_steps=_at_least(1),
+            num_epochs=_at_least(1),
+            eval_steps=_at_least(0, "0 = at the end only"),
+            learning_rate=_above(0),
+            warmup_steps=_at_least(0),
+            dist_timeout_s=_at_least(1, "seconds"),
+            min_lr_ratio=_within(0, 1),
+            weight_decay=_at_least(0),
+            adam_beta1=_within(0, 1, open_high=True),
+            adam_beta2=_within(0, 1, open_high=True),
+            adam_eps=_above(0),
+            micro_batch_size=_at_least(1),
+            gradient_accumulation_steps=_at_least(1),
+            max_grad_norm=_at_least(0, "0 = no clipping"),
+            max_nonfinite_steps=_at_least(1),
+            save_steps=_at_least(0, "0 = only the final save"),
+            save_total_limit=_at_least(0, "0 = keep all"),
+            logging_steps=_at_least(1),
+            sample_log_steps=_at_least(0, "0 = never"),
+            num_threads=_at_least(0, "0 = torch default"),
+            ddp_bucket_cap_mb=_above(0, "megabytes"),
+            zero_stage=(lambda v: v in (1, 2, 3), "1, 2 or 3"),
+        )
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"`{key}.device` is {self.device!r}; use auto, cpu, cuda or cuda:N")
+        deepspeed_only = {
+            "zero_stage": self.zero_stage != 2,
+            "offload_optimizer": self.offload_optimizer != "none",
+            "offload_param": self.offload_param != "none",
+            "deepspeed_config": self.deepspeed_config is not None,
+        }
+        if self.distributed_strategy in ("none", "ddp"):
+            for name, is_set in deepspeed_only.items():
+                if is_set:
+                    raise ConfigError(
+                        f"`{key}.{name}` is set but `{key}.distributed_strategy` is "
+                        f"{self.distributed_strategy!r}; it applies to DeepSpeed: set {key}.distributed_strategy=deepspeed"
+                    )
+        if self.offload_param != "none" and self.zero_stage != 3 and self.distributed_strategy == "deepspeed":
+            raise ConfigError(
+                f"`{key}.offload_param` is {self.offload_param!r} with {key}.zero_stage={self.zero_stage}; "
+                f"parameters are sharded (and offloaded) only by ZeRO-3: set {key}.zero_stage=3"
+            )
+        if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
+            raise ConfigError(f"`{key}.nvme_path` is unset; NVMe offload needs a folder on a fast local disk")
 
 
 @dataclass
@@ -264,21 +504,34 @@ class CurveConfig:
     def enabled(self) -> bool:
         return any(v is not None for v in dataclasses.astuple(self))
 
+    def check(self, key: str = "pipeline.curve") -> None:
+        trainer = self.server_secret_key, self.authorized_clients
+        sampler = self.server_public_key, self.client_secret_key
+        if (None in trainer and any(trainer)) or (None in sampler and any(sampler)):
+            raise ConfigError(
+                f"`{key}` is half set: the trainer needs server_secret_key and authorized_clients, "
+                "a sampler needs server_public_key and client_secret_key (make them with `tandem keygen DIR`)"
+            )
+
+
+_PORT: Rule = (lambda v: 0 < v < 65536), "a TCP port in 1..65535"
+
 
 @dataclass
 class PipelineConfig:
     """The decoupled sampler/trainer pipeline (DESIGN.md sections 1-4)."""
 
-    mode: str = "decoupled"  # decoupled: sampler and trainer processes | colocated: one process
+    # decoupled: sampler and trainer processes | colocated: one process
+    mode: Literal["decoupled", "colocated"] = "decoupled"
     num_samplers: int = 1  # samplers that `tandem grpo` starts / that share the work of a version
     trainer_host: str = "127.0.0.1"  # where samplers find the trainer
     bind_host: str = "*"  # the interface the trainer binds ("*" = all)
     data_port: int = 5555  # groups, sampler PUSH -> trainer PULL
     sync_port: int = 5556  # weights and status, trainer ROUTER <-> sampler DEALER
-    sync_method: str = "zmq"  # zmq (from memory) | fs (files in sync_dir)
+    sync_method: Literal["zmq", "fs"] = "zmq"  # zmq (from memory) | fs (files in sync_dir)
     sync_dir: str | None = None  # fs method; None = <run_dir>/weights
     sync_every: int = 1  # publish new weights every N optimizer steps (the seed's gen_update_steps)
-    sync_dtype: str | None = None  # dtype the weights travel in; None = the trainer's
+    sync_dtype: Dtype | None = None  # dtype the weights travel in; None = the trainer's
     sync_keep_versions: int = 2  # fs method: versions kept on disk
     max_staleness: int = 1  # drop groups more than N versions old (0 = strictly on-policy)
     send_hwm: int = 4  # groups queued in a sampler before it blocks
@@ -289,10 +542,34 @@ class PipelineConfig:
     trainer_timeout_s: float = 0.0  # sampler: give up after this long without the trainer (0 = never)
     curve: CurveConfig = field(default_factory=CurveConfig)
 
+    def check(self, key: str = "pipeline") -> None:
+        _check(
+            self,
+            key,
+            num_samplers=_at_least(1),
+            data_port=_PORT,
+            sync_port=_PORT,
+            sync_every=_at_least(1),
+            sync_keep_versions=_at_least(1),
+            max_staleness=_at_least(0, "0 = strictly on-policy"),
+            send_hwm=_at_least(1),
+            recv_hwm=_at_least(1),
+            max_message_mb=_at_least(1),
+            data_warn_s=_above(0),
+            data_timeout_s=_at_least(0, "0 = wait forever"),
+            trainer_timeout_s=_at_least(0, "0 = wait forever"),
+        )
+        if self.data_port == self.sync_port:
+            raise ConfigError(
+                f"`{key}.sync_port` equals `{key}.data_port` ({self.data_port}); give the two channels "
+                "different ports (default 5555 and 5556)"
+            )
+        self.curve.check(f"{key}.curve")
+
 
 @dataclass
 class Config:
-    method: str = "grpo"  # grpo | sft | rm | dpo | ppo: the command that runs this config
+    method: Method = "grpo"  # the command that runs this config
     experiment_name: str = "grpo"
     output_dir: str = "runs"  # the run folder is output_dir/experiment_name
     seed: int = 42
@@ -312,160 +589,104 @@ class Config:
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.experiment_name
 
+    @property
+    def prompts_per_step(self) -> int:
+        """Prompts per batch of this run's method: PPO's `ppo.prompts_per_step` when set, else (and
+        for every other method) `grpo.prompts_per_step`."""
+        return self.ppo.prompts_per_step if self._ppo_own_prompts else self.grpo.prompts_per_step
 
-# ---------------------------------------------------------------- dict -> dataclasses
+    @property
+    def prompts_per_step_key(self) -> str:
+        """The dotted key `prompts_per_step` comes from, for messages."""
+        return "ppo.prompts_per_step" if self._ppo_own_prompts else "grpo.prompts_per_step"
+
+    @property
+    def _ppo_own_prompts(self) -> bool:
+        return self.method == "ppo" and self.ppo.prompts_per_step is not None
+
+    def check(self) -> None:
+        """Every section's rules and the rules across sections; raises ConfigError naming the key and
+        the fix."""
+        name = self.experiment_name
+        if not name or name in (".", "..") or "/" in name or "\\" in name:
+            raise ConfigError(
+                f"`experiment_name` is {name!r}; use a plain folder name without '/' (e.g. gsm8k-grpo)"
+            )
+        _check(self, "", seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"))
+        sections = (self.model, self.data, self.sampling, self.grpo, self.sft, self.rm, self.dpo, self.ppo)
+        for section in (*sections, self.training, self.pipeline):
+            section.check()
+        if self.method == "grpo" and self.sampling.num_generations < 2:
+            raise ConfigError(
+                f"`sampling.num_generations` is {self.sampling.num_generations}; GRPO needs >= 2 "
+                "(a group of one completion has no advantage)"
+            )
+        if self.method == "ppo":
+            _check_ppo_prompts(self)
+        if self.method in ("grpo", "ppo"):
+            check_rewards(self.rewards)
+            validate_batch(self)
+        if self.method == "dpo" and self.dpo.safe_mm.enabled and self.dpo.loss_type != "sigmoid":
+            raise ConfigError(
+                "`dpo.safe_mm` is set with dpo.loss_type=ipo; Safe-MM-DPO's margin is defined for the "
+                "sigmoid loss: set dpo.loss_type=sigmoid"
+            )
+
+
+def _check_ppo_prompts(cfg: Config) -> None:
+    """PPO read `grpo.prompts_per_step` before it had `ppo.prompts_per_step`; the old key still works,
+    and counts as unset at its default. Two different numbers are refused rather than one chosen."""
+    own, old = cfg.ppo.prompts_per_step, cfg.grpo.prompts_per_step
+    if own is not None and old not in (own, GRPOConfig.prompts_per_step):
+        raise ConfigError(
+            f"`ppo.prompts_per_step` is {own} and `grpo.prompts_per_step` is {old}; PPO reads "
+            "ppo.prompts_per_step (grpo.prompts_per_step is its older name): drop grpo.prompts_per_step "
+            "or set both to the same number"
+        )
+
+
+def validate(cfg: Config) -> None:
+    """Check a converted Config (`cfg.check()`); raises ConfigError naming the key and the fix."""
+    cfg.check()
+
+
+def validate_batch(cfg: Config, world_size: int = 1) -> None:
+    """One optimizer step consumes micro_batch_size x gradient_accumulation_steps x world_size
+    sequences (DeepSpeed's train_batch_size); that must divide what one step samples."""
+    prompts, group = cfg.prompts_per_step, cfg.sampling.num_generations
+    prompts_key = cfg.prompts_per_step_key
+    micro, accum = cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps
+    num_sequences = prompts * group
+    per_rank, rem = divmod(num_sequences, world_size)
+    if rem == 0 and per_rank % (micro * accum) == 0:
+        return
+    ranks = f" x {world_size} ranks" if world_size > 1 else ""
+    fits = [a for a in range(1, per_rank // micro + 1) if rem == 0 and per_rank % (micro * a) == 0]
+    if fits:
+        fix = f"set training.gradient_accumulation_steps to one of {fits}"
+    elif rem == 0:
+        divisors = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        fix = (
+            f"set training.micro_batch_size to a divisor of {per_rank} ({divisors}), then adjust accumulation"
+        )
+    else:
+        fix = f"make {prompts_key} * sampling.num_generations a multiple of the {world_size} ranks"
+    raise ConfigError(
+        f"`training.gradient_accumulation_steps`: one step samples {prompts_key} * "
+        f"sampling.num_generations = {prompts} * {group} = {num_sequences} sequences, but one optimizer step "
+        f"consumes training.micro_batch_size * training.gradient_accumulation_steps{ranks} = "
+        f"{micro} * {accum}{ranks} = {micro * accum * world_size}, which does not divide {num_sequences}; {fix}"
+    )
+
+
+# ---------------------------------------------------------------- load, dump
 
 T = TypeVar("T")
 
 
 def config_from_dict(d: dict[str, Any], cls: type[T] = Config) -> T:  # type: ignore[assignment]
     """Build `cls` from a nested dict, checking every key and type against the dataclass hints."""
-    return _from_dict(d, cls, "")
-
-
-def _from_dict(d: Any, cls: type[T], prefix: str) -> T:
-    if not isinstance(d, dict):
-        where = f"`{prefix}`" if prefix else "the config"
-        raise ConfigError(f"{where} must be a mapping of keys to values, got {d!r} ({type(d).__name__})")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in d.items():
-        if key not in fields:
-            raise ConfigError(_unknown_key_message(str(key), cls, prefix))
-        kwargs[key] = _convert(value, hints[key], _join(prefix, key))
-    for f in fields.values():
-        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if no_default and f.name not in kwargs:
-            raise ConfigError(
-                f"`{_join(prefix, f.name)}` is required; add it (expects {_type_name(hints[f.name])})"
-            )
-    return cls(**kwargs)
-
-
-def _join(prefix: str, key: str) -> str:
-    return f"{prefix}.{key}" if prefix else key
-
-
-def _unknown_key_message(key: str, cls: type, prefix: str) -> str:
-    names = [f.name for f in dataclasses.fields(cls)]
-    close = difflib.get_close_matches(key, names, n=1)
-    if not close:  # a key one section too high, e.g. `learning_rate` for `training.learning_rate`
-        sections = [
-            (f.name, [g.name for g in dataclasses.fields(sub)])
-            for f in dataclasses.fields(cls)
-            if dataclasses.is_dataclass(sub := typing.get_type_hints(cls)[f.name])
-        ]
-        exact = [f"{section}.{key}" for section, keys in sections if key in keys]
-        near = [
-            (difflib.SequenceMatcher(None, key, match).ratio(), f"{section}.{match}")
-            for section, keys in sections
-            for match in difflib.get_close_matches(key, keys, n=1)
-        ]
-        if exact:  # the first section that has it (grpo before ppo for kl_coef)
-            close = exact[:1]
-        elif near:
-            close = [max(near)[1]]
-    hint = f"did you mean `{_join(prefix, close[0])}`?" if close else f"valid keys here: {', '.join(names)}"
-    return f"unknown config key `{_join(prefix, key)}`; {hint}"
-
-
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, key)
-    if origin is list:
-        if not isinstance(value, list):
-            hint = f"write it as a list, e.g. [{value}]" if isinstance(value, (str, int, float)) else ""
-            raise _type_error(key, tp, value, hint)
-        return [_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        return _from_dict(value, tp, key)
-    if tp is bool and isinstance(value, bool):
-        return value
-    if tp is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if tp is str and isinstance(value, str):
-        return value
-    if tp is str and value is False and "no" in _CHOICES.get(key, ()):  # YAML 1.1 reads a bare `no` as false
-        return "no"
-    assert tp in (bool, int, float, str), f"config field `{key}` has an unsupported type {tp}"
-    hint = "quote the value so YAML reads it as a string" if tp is str and value is not None else ""
-    raise _type_error(key, tp, value, hint)
-
-
-def _type_error(key: str, tp: Any, value: Any, hint: str = "") -> ConfigError:
-    fix = f"; {hint}" if hint else ""
-    return ConfigError(
-        f"config key `{key}` expects {_type_name(tp)}, got {value!r} ({type(value).__name__}){fix}"
-    )
-
-
-def _type_name(tp: Any) -> str:
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
-    if typing.get_origin(tp) is list:
-        return f"a list of ({_type_name(args[0])})"
-    if dataclasses.is_dataclass(tp):
-        return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
-    return {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}[tp]
-
-
-# ---------------------------------------------------------------- overrides, load, dump
-
-
-def apply_overrides(d: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Return a copy of `d` with dotted `key=value` pairs set; values are parsed as YAML."""
-    out = copy.deepcopy(d) if d else {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(
-                f"override {item!r} must have the form key=value, e.g. training.learning_rate=1e-5"
-            )
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override `{key}`: cannot parse {raw!r} as YAML ({e}); quote the value") from e
-        _set_dotted(out, key, value)
-    return out
-
-
-def _set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    if "" in parts:
-        raise ConfigError(f"override key `{key}` has an empty part; write it like training.learning_rate")
-    node: Any = d
-    for i, part in enumerate(parts[:-1]):
-        here = ".".join(parts[: i + 1])
-        if isinstance(node, dict) and node.get(part) is None:
-            if parts[i + 1].isdigit():
-                raise ConfigError(f"override `{key}`: the list `{here}` is not in the file; set it whole")
-            node[part] = {}  # a section absent from the file (or left empty)
-        node = node[_index(node, part, key, here)]
-    node[_index(node, parts[-1], key, key)] = value
-
-
-def _index(node: Any, part: str, key: str, here: str) -> str | int:
-    if isinstance(node, list):  # e.g. rewards.0.weight=2
-        if not part.isdigit() or int(part) >= len(node):
-            raise ConfigError(f"override `{key}`: `{here}` must index the list (0..{len(node) - 1})")
-        return int(part)
-    if not isinstance(node, dict):
-        raise ConfigError(f"override `{key}`: `{here.rpartition('.')[0]}` is a value, not a section")
-    return part
+    return from_dict(d, cls)
 
 
 def load_config(
@@ -478,14 +699,7 @@ def load_config(
     raw: Any = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass an existing YAML file (see configs/)")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML; fix the syntax: {e}") from e
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of keys to values at the top level")
+        raw = read_yaml(path)
     from tandem.config_aliases import read_seed_keys, read_seed_overrides
 
     # seed/HF key names (config_aliases.py): the file's first, then the overrides', which win
@@ -547,251 +761,3 @@ def dump_config(cfg: Any, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True))
-
-
-# ---------------------------------------------------------------- validation
-
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "method": METHODS,
-    "rm.task": ("helpful", "harmless"),
-    "dpo.loss_type": ("sigmoid", "ipo"),
-    "dpo.reference_logps": ("precompute", "online"),
-    "dpo.task": ("helpful", "harmless", "mixed"),
-    "ppo.kl_mode": ("reward", "loss"),
-    "model.dtype": DTYPES,
-    "model.attn_implementation": ATTN_IMPLEMENTATIONS,
-    "sampling.dtype": DTYPES,
-    "grpo.scale_rewards": SCALE_REWARDS,
-    "grpo.loss_agg": LOSS_AGGS,
-    "training.lr_scheduler": LR_SCHEDULERS,
-    "training.mixed_precision": MIXED_PRECISIONS,
-    "training.distributed_strategy": DISTRIBUTED_STRATEGIES,
-    "training.offload_optimizer": OFFLOAD_DEVICES,
-    "training.offload_param": OFFLOAD_DEVICES,
-    "training.dist_backend": DIST_BACKENDS,
-    "training.deepspeed_bf16": ("autocast", "native"),
-    "model.lora.sync": ("adapter", "merged"),
-    "pipeline.mode": PIPELINE_MODES,
-    "pipeline.sync_method": SYNC_METHODS,
-}
-
-# (dotted key, check, what it must be)
-_BOUNDS: list[tuple[str, Callable[[Any], bool], str]] = [
-    ("seed", lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
-    ("data.num_examples", lambda v: v >= 0, ">= 0 (0 = all)"),
-    (
-        "data.difficulty",
-        lambda v: v in (1, 2),
-        "1 (one step, small numbers) or 2 (up to two steps, numbers < 1000)",
-    ),
-    ("data.num_eval_examples", lambda v: v >= 0, ">= 0"),
-    ("data.num_shots", lambda v: v >= 0, ">= 0"),
-    ("sampling.num_generations", lambda v: v >= 1, ">= 1"),
-    ("sampling.max_new_tokens", lambda v: v >= 1, ">= 1"),
-    ("sampling.temperature", lambda v: v > 0, "> 0"),
-    ("sampling.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("sampling.top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
-    ("sampling.batch_size", lambda v: v >= 1, ">= 1"),
-    ("grpo.prompts_per_step", lambda v: v >= 1, ">= 1"),
-    ("grpo.clip_eps_low", lambda v: v >= 0, ">= 0"),
-    ("grpo.clip_eps_high", lambda v: v >= 0, ">= 0"),
-    ("grpo.kl_coef", lambda v: v >= 0, ">= 0 (0 = no KL term)"),
-    ("grpo.num_iterations", lambda v: v >= 1, ">= 1"),
-    ("grpo.adv_eps", lambda v: v >= 0, ">= 0"),
-    ("training.max_steps", lambda v: v >= 1, ">= 1"),
-    ("training.num_epochs", lambda v: v >= 1, ">= 1"),
-    ("training.eval_steps", lambda v: v >= 0, ">= 0 (0 = at the end only)"),
-    ("sft.max_length", lambda v: v >= 2, ">= 2"),
-    ("rm.max_length", lambda v: v >= 2, ">= 2"),
-    ("dpo.max_length", lambda v: v >= 2, ">= 2"),
-    ("dpo.beta", lambda v: v > 0, "> 0"),
-    ("dpo.label_smoothing", lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
-    ("ppo.clip_eps", lambda v: v >= 0, ">= 0"),
-    ("ppo.value_clip_eps", lambda v: v >= 0, ">= 0"),
-    ("ppo.vf_coef", lambda v: v >= 0, ">= 0"),
-    ("ppo.value_learning_rate", lambda v: v is None or v > 0, "> 0, or null for training.learning_rate"),
-    ("ppo.gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("ppo.lam", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("ppo.kl_coef", lambda v: v >= 0, ">= 0"),
-    ("ppo.num_iterations", lambda v: v >= 1, ">= 1"),
-    ("training.learning_rate", lambda v: v > 0, "> 0"),
-    ("training.warmup_steps", lambda v: v >= 0, ">= 0"),
-    ("training.dist_timeout_s", lambda v: v >= 1, ">= 1 (seconds)"),
-    ("training.min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("training.weight_decay", lambda v: v >= 0, ">= 0"),
-    ("training.adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("training.adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("training.adam_eps", lambda v: v > 0, "> 0"),
-    ("training.micro_batch_size", lambda v: v >= 1, ">= 1"),
-    ("training.gradient_accumulation_steps", lambda v: v >= 1, ">= 1"),
-    ("training.max_grad_norm", lambda v: v >= 0, ">= 0 (0 = no clipping)"),
-    ("training.max_nonfinite_steps", lambda v: v >= 1, ">= 1"),
-    ("training.save_steps", lambda v: v >= 0, ">= 0 (0 = only the final save)"),
-    ("training.save_total_limit", lambda v: v >= 0, ">= 0 (0 = keep all)"),
-    ("training.logging_steps", lambda v: v >= 1, ">= 1"),
-    ("training.sample_log_steps", lambda v: v >= 0, ">= 0 (0 = never)"),
-    ("training.num_threads", lambda v: v >= 0, ">= 0 (0 = torch default)"),
-    ("training.ddp_bucket_cap_mb", lambda v: v > 0, "> 0 (megabytes)"),
-    ("training.zero_stage", lambda v: v in (1, 2, 3), "1, 2 or 3"),
-    ("model.lora.r", lambda v: v >= 1, ">= 1"),
-    ("model.lora.alpha", lambda v: v > 0, "> 0"),
-    ("model.lora.dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("sampling.num_threads", lambda v: v >= 0, ">= 0 (0 = share the cores with the trainer)"),
-    ("pipeline.num_samplers", lambda v: v >= 1, ">= 1"),
-    ("pipeline.data_port", lambda v: 0 < v < 65536, "a TCP port in 1..65535"),
-    ("pipeline.sync_port", lambda v: 0 < v < 65536, "a TCP port in 1..65535"),
-    ("pipeline.sync_every", lambda v: v >= 1, ">= 1"),
-    ("pipeline.sync_keep_versions", lambda v: v >= 1, ">= 1"),
-    ("pipeline.max_staleness", lambda v: v >= 0, ">= 0 (0 = strictly on-policy)"),
-    ("pipeline.send_hwm", lambda v: v >= 1, ">= 1"),
-    ("pipeline.recv_hwm", lambda v: v >= 1, ">= 1"),
-    ("pipeline.max_message_mb", lambda v: v >= 1, ">= 1"),
-    ("pipeline.data_warn_s", lambda v: v > 0, "> 0"),
-    ("pipeline.data_timeout_s", lambda v: v >= 0, ">= 0 (0 = wait forever)"),
-    ("pipeline.trainer_timeout_s", lambda v: v >= 0, ">= 0 (0 = wait forever)"),
-]
-
-_FUNCTION_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-
-
-def _get(cfg: Config, key: str) -> Any:
-    obj: Any = cfg
-    for part in key.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def validate(cfg: Config) -> None:
-    """Cross-field checks on a converted Config; raises ConfigError naming the key and the fix."""
-    name = cfg.experiment_name
-    if not name or name in (".", "..") or "/" in name or "\\" in name:
-        raise ConfigError(
-            f"`experiment_name` is {name!r}; use a plain folder name without '/' (e.g. gsm8k-grpo)"
-        )
-    for key, choices in _CHOICES.items():
-        if _get(cfg, key) not in choices:
-            raise ConfigError(f"`{key}` is {_get(cfg, key)!r}; choose one of: {', '.join(choices)}")
-    for key, ok, must_be in _BOUNDS:
-        if not ok(_get(cfg, key)):
-            raise ConfigError(f"`{key}` is {_get(cfg, key)!r}; it must be {must_be}")
-    for i, reporter in enumerate(cfg.training.report_to):
-        if reporter not in REPORTERS:
-            raise ConfigError(
-                f"`training.report_to[{i}]` is {reporter!r}; choose from: {', '.join(REPORTERS)}"
-            )
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.training.device):
-        raise ConfigError(f"`training.device` is {cfg.training.device!r}; use auto, cpu, cuda or cuda:N")
-    if cfg.method == "grpo" and cfg.sampling.num_generations < 2:
-        raise ConfigError(
-            f"`sampling.num_generations` is {cfg.sampling.num_generations}; GRPO needs >= 2 "
-            "(a group of one completion has no advantage)"
-        )
-    if cfg.method in ("grpo", "ppo"):
-        _validate_rewards(cfg.rewards)
-        validate_batch(cfg)
-    if cfg.method == "dpo" and cfg.dpo.safe_mm.enabled and cfg.dpo.loss_type != "sigmoid":
-        raise ConfigError(
-            "`dpo.safe_mm` is set with dpo.loss_type=ipo; Safe-MM-DPO's margin is defined for the "
-            "sigmoid loss: set dpo.loss_type=sigmoid"
-        )
-    _validate_distributed(cfg.training)
-    _validate_pipeline(cfg.pipeline)
-
-
-def _validate_distributed(tc: TrainingConfig) -> None:
-    deepspeed_only = {
-        "zero_stage": tc.zero_stage != 2,
-        "offload_optimizer": tc.offload_optimizer != "none",
-        "offload_param": tc.offload_param != "none",
-        "deepspeed_config": tc.deepspeed_config is not None,
-    }
-    if tc.distributed_strategy in ("none", "ddp"):
-        for key, is_set in deepspeed_only.items():
-            if is_set:
-                raise ConfigError(
-                    f"`training.{key}` is set but `training.distributed_strategy` is "
-                    f"{tc.distributed_strategy!r}; it applies to DeepSpeed: set training.distributed_strategy=deepspeed"
-                )
-    if tc.offload_param != "none" and tc.zero_stage != 3 and tc.distributed_strategy == "deepspeed":
-        raise ConfigError(
-            f"`training.offload_param` is {tc.offload_param!r} with training.zero_stage={tc.zero_stage}; "
-            "parameters are sharded (and offloaded) only by ZeRO-3: set training.zero_stage=3"
-        )
-    if "nvme" in (tc.offload_optimizer, tc.offload_param) and not tc.nvme_path:
-        raise ConfigError("`training.nvme_path` is unset; NVMe offload needs a folder on a fast local disk")
-
-
-def _validate_pipeline(p: PipelineConfig) -> None:
-    if p.data_port == p.sync_port:
-        raise ConfigError(
-            f"`pipeline.sync_port` equals `pipeline.data_port` ({p.data_port}); give the two channels "
-            "different ports (default 5555 and 5556)"
-        )
-    if p.sync_dtype is not None and p.sync_dtype not in DTYPES:
-        raise ConfigError(
-            f"`pipeline.sync_dtype` is {p.sync_dtype!r}; choose one of: {', '.join(DTYPES)} or null"
-        )
-    curve = p.curve
-    if curve.enabled:
-        trainer = curve.server_secret_key, curve.authorized_clients
-        sampler = curve.server_public_key, curve.client_secret_key
-        if (None in trainer and any(trainer)) or (None in sampler and any(sampler)):
-            raise ConfigError(
-                "`pipeline.curve` is half set: the trainer needs server_secret_key and authorized_clients, "
-                "a sampler needs server_public_key and client_secret_key (make them with `tandem keygen DIR`)"
-            )
-
-
-def _validate_rewards(rewards: list[RewardSpec]) -> None:
-    if not rewards:
-        raise ConfigError("`rewards` is empty; add at least one, e.g. rewards: [{type: answer}]")
-    seen: set[str] = set()
-    for i, spec in enumerate(rewards):
-        key = f"rewards[{i}]"
-        if spec.type not in REWARD_TYPES:
-            raise ConfigError(f"`{key}.type` is {spec.type!r}; choose one of: {', '.join(REWARD_TYPES)}")
-        if spec.type == "function" and not (spec.function and _FUNCTION_SPEC.match(spec.function)):
-            raise ConfigError(
-                f"`{key}.function` is {spec.function!r}; type function needs it as 'package.module:function'"
-            )
-        if spec.type != "function" and spec.function is not None:
-            raise ConfigError(
-                f"`{key}.function` is set but `{key}.type` is {spec.type!r}; set type: function"
-            )
-        if spec.type == "model" and not spec.path:
-            raise ConfigError(f"`{key}.path` is unset; type model needs the folder a `tandem rm` run wrote")
-        if spec.type != "model" and spec.path is not None:
-            raise ConfigError(f"`{key}.path` is set but `{key}.type` is {spec.type!r}; set type: model")
-        if spec.resolved_name in seen:
-            raise ConfigError(
-                f"`{key}.name`: two rewards are named {spec.resolved_name!r}; give each a distinct name"
-            )
-        seen.add(spec.resolved_name)
-
-
-def validate_batch(cfg: Config, world_size: int = 1) -> None:
-    """One optimizer step consumes micro_batch_size x gradient_accumulation_steps x world_size
-    sequences (DeepSpeed's train_batch_size); that must divide what one step samples."""
-    prompts, group = cfg.grpo.prompts_per_step, cfg.sampling.num_generations
-    micro, accum = cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps
-    num_sequences = prompts * group
-    per_rank, rem = divmod(num_sequences, world_size)
-    if rem == 0 and per_rank % (micro * accum) == 0:
-        return
-    ranks = f" x {world_size} ranks" if world_size > 1 else ""
-    fits = [a for a in range(1, per_rank // micro + 1) if rem == 0 and per_rank % (micro * a) == 0]
-    if fits:
-        fix = f"set training.gradient_accumulation_steps to one of {fits}"
-    elif rem == 0:
-        divisors = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
-        fix = (
-            f"set training.micro_batch_size to a divisor of {per_rank} ({divisors}), then adjust accumulation"
-        )
-    else:
-        fix = f"make grpo.prompts_per_step * sampling.num_generations a multiple of the {world_size} ranks"
-    raise ConfigError(
-        f"`training.gradient_accumulation_steps`: one step samples grpo.prompts_per_step * "
-        f"sampling.num_generations = {prompts} * {group} = {num_sequences} sequences, but one optimizer step "
-        f"consumes training.micro_batch_size * training.gradient_accumulation_steps{ranks} = "
-        f"{micro} * {accum}{ranks} = {micro * accum * world_size}, which does not divide {num_sequences}; {fix}"
-    )

@@ -12,9 +12,9 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
-from tandem.config import ConfigError
+from tandem.config import ConfigError, DistBackend, DistributedStrategy
 
 Assignments = list[tuple[str, Any]]  # (dotted tandem key, value)
 
@@ -25,8 +25,8 @@ _SCHEDULERS = {
     "cosine": "cosine",
     "cosine_with_min_lr": "cosine",  # the floor is training.min_lr_ratio
 }
-_STRATEGIES = ("none", "ddp", "deepspeed", "auto")
-_BACKENDS = ("nccl", "gloo")
+_STRATEGIES = get_args(DistributedStrategy)
+_BACKENDS = tuple(b for b in get_args(DistBackend) if b != "auto")  # the seeds name a backend, never auto
 
 
 def _same(key: str) -> Callable[[Any, dict], Assignments]:

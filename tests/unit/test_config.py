@@ -251,3 +251,29 @@ def test_reward_function_spec_validation():
 
 def test_config_from_dict_builds_any_section():
     assert config_from_dict({"max_steps": 3}, TrainingConfig) == TrainingConfig(max_steps=3)
+
+
+def test_ppo_has_its_own_prompts_per_step_and_reads_grpo_s_when_unset(tmp_path):
+    own = load_config(None, ["ppo.prompts_per_step=16"], method="ppo")
+    assert (own.prompts_per_step, own.prompts_per_step_key) == (16, "ppo.prompts_per_step")
+    old = load_config(None, ["grpo.prompts_per_step=16"], method="ppo")  # the older key still works
+    assert (old.prompts_per_step, old.prompts_per_step_key) == (16, "grpo.prompts_per_step")
+    grpo = load_config(None, ["ppo.prompts_per_step=16"], method="grpo")  # GRPO ignores PPO's key
+    assert (grpo.prompts_per_step, grpo.prompts_per_step_key) == (8, "grpo.prompts_per_step")
+    same = load_config(None, ["ppo.prompts_per_step=16", "grpo.prompts_per_step=16"], method="ppo")
+    assert same.prompts_per_step == 16
+    path = tmp_path / "config.yaml"
+    dump_config(own, path)
+    assert load_config(path) == own  # a dumped PPO config (grpo's key at its default) reads back
+
+
+def test_ppo_refuses_two_different_prompts_per_step():
+    with pytest.raises(ConfigError, match=r"`ppo.prompts_per_step` is 4 and `grpo.prompts_per_step` is 6"):
+        load_config(None, ["ppo.prompts_per_step=4", "grpo.prompts_per_step=6"], method="ppo")
+    with pytest.raises(ConfigError, match=r"`ppo.prompts_per_step` is 0; it must be >= 1"):
+        load_config(None, ["ppo.prompts_per_step=0"], method="ppo")
+
+
+def test_the_batch_check_names_the_prompts_key_in_effect():
+    with pytest.raises(ConfigError, match=r"one step samples ppo.prompts_per_step \* sampling"):
+        load_config(None, ["ppo.prompts_per_step=3", "training.micro_batch_size=8"], method="ppo")

@@ -22,8 +22,9 @@ TIERS: list[tuple[str, ...]] = [
     ("cli",),
     ("__main__",),
 ]
-# modules that are one unit with another: config_aliases reads the seeds' keys for config.load_config
-SAME_UNIT = {"config_aliases": "config", "__init__": "tandem"}
+# modules that are one unit with another: config_aliases reads the seeds' keys for config.load_config,
+# config_convert turns dicts and overrides into config's dataclasses
+SAME_UNIT = {"config_aliases": "config", "config_convert": "config", "__init__": "tandem"}
 # units of one tier that may import each other, in this direction only
 LATERAL = {("distributed", "models"), ("rewards", "models")}
 

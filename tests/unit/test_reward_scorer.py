@@ -85,7 +85,7 @@ def test_model_reward_component_scores_question_and_response_in_batches(reward_d
 def test_model_reward_spec_errors(tmp_path):
     with pytest.raises(ValueError, match="not a model folder"):
         RewardSet.from_specs([RewardSpec("model", path=str(tmp_path))])
-    with pytest.raises(ValueError, match="takes no `path`"):
+    with pytest.raises(ValueError, match=r"`rewards\[0\].path` is set .* set type: model"):
         RewardSet.from_specs([RewardSpec("answer", path=str(tmp_path))])
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
+from typing import get_args
 
 import pytest
 
+from tandem.config import ConfigError, RewardSpec, RewardType
 from tandem.data.gsm8k import extract_gold
 from tandem.rewards.gsm8k import answer_reward, format_partial_reward, format_reward, parse_number
-from tandem.rewards.registry import RewardSet, load_function
+from tandem.rewards.registry import _BUILTINS, RewardSet, load_function
 from tandem.types import Example
 
 GSM8K_TRAIN = Path("/work/shared/data/gsm8k/train.jsonl")
@@ -139,10 +140,8 @@ def test_real_gsm8k_golds_score_plus_one() -> None:
 # --- registry ---------------------------------------------------------------------------------
 
 
-def spec(
-    type: str, weight: float = 1.0, function: str | None = None, name: str | None = None
-) -> SimpleNamespace:
-    return SimpleNamespace(type=type, weight=weight, function=function, name=name)
+def spec(type: str, weight: float = 1.0, function: str | None = None, name: str | None = None) -> RewardSpec:
+    return RewardSpec(type, weight=weight, function=function, name=name)
 
 
 EXAMPLE = Example(prompt_id="p-0", question="What is 9 + 9?", answer="18")
@@ -220,14 +219,19 @@ def test_user_function_bad_result_names_it(user_module: str, attr: str) -> None:
 @pytest.mark.parametrize(
     ("specs", "message"),
     [
-        ([], "at least one"),
-        ([spec("length")], "unknown"),
-        ([spec("function")], "needs `function"),
-        ([spec("answer", function="m:f")], "built in"),
-        ([spec("answer", weight=math.inf)], "finite"),
-        ([spec("answer"), spec("answer")], "unique"),
+        ([], "`rewards` is empty; add at least one"),
+        ([spec("length")], r"`rewards\[0\].type` is 'length'; choose one of"),
+        ([spec("function")], r"`rewards\[0\].function` is None; type function needs it"),
+        ([spec("answer", function="m:f")], r"`rewards\[0\].function` is set .* set type: function"),
+        ([spec("answer", weight=math.inf)], r"`rewards\[0\].weight` is inf; it must be a finite number"),
+        ([spec("answer"), spec("answer")], r"`rewards\[1\].name`: two rewards are named 'answer'"),
     ],
 )
 def test_reward_set_spec_errors(specs: list, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    """The rules are config's (check_rewards): the same messages as a config file gets."""
+    with pytest.raises(ConfigError, match=message):
         RewardSet.from_specs(specs)
+
+
+def test_every_reward_type_has_a_builder() -> None:
+    assert {*_BUILTINS, "function", "model"} == set(get_args(RewardType))

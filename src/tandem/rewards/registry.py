@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.config import RewardSpec, check_rewards
 from tandem.rewards.gsm8k import answer_reward, format_partial_reward, format_reward
 from tandem.rewards.model import ModelReward  # light: it imports the model code only when built
 from tandem.types import Example
@@ -19,12 +20,12 @@ from tandem.types import Example
 RewardFn = Callable[[str, Example], float]
 BatchRewardFn = Callable[[list[str], list[Example]], list[float]]
 
+# the built-in types of config.RewardType
 _BUILTINS: dict[str, RewardFn] = {
     "answer": lambda response, example: answer_reward(response, example.answer),
     "format": lambda response, example: format_reward(response),
     "format_partial": lambda response, example: format_partial_reward(response),
 }
-TYPES = (*_BUILTINS, "function", "model")
 
 
 def load_function(path: str) -> RewardFn:
@@ -63,21 +64,13 @@ class RewardSet:
         self._components = components
 
     @classmethod
-    def from_specs(cls, specs: Sequence[Any], *, device: Any = "cpu") -> RewardSet:
-        """From specs with `type` (answer|format|format_partial|function|model), `weight`, `function`
-        ("module:attr", only for type function), `path` (a `tandem rm` folder, only for type model;
-        loaded once, on `device`) and `name` (default: the type, or the attr).
+    def from_specs(cls, specs: Sequence[RewardSpec], *, device: Any = "cpu") -> RewardSet:
+        """From reward specs (config.RewardSpec: type, weight, function "module:attr" for type
+        function, path of a `tandem rm` folder for type model, loaded once on `device`, and name),
+        checked by config.check_rewards: a bad spec raises ConfigError naming `rewards[i]`.
         """
-        if not specs:
-            raise ValueError("no rewards configured: give at least one reward spec")
-        components: list[_Component] = []
-        for spec in specs:
-            components.append(_component(spec, device))
-        names = [component.name for component in components]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            raise ValueError(f"reward names must be unique, repeated: {duplicates}; set `name` on each")
-        return cls(components)
+        check_rewards(specs)
+        return cls([_component(spec, device) for spec in specs])
 
     @property
     def names(self) -> list[str]:
@@ -106,31 +99,11 @@ class RewardSet:
         return list(zip(totals, infos))
 
 
-def _component(spec: Any, device: Any) -> _Component:
-    kind, weight, path, name = spec.type, spec.weight, spec.function, spec.name
-    model_path = getattr(spec, "path", None)  # spec objects of other callers may predate `path`
-    if kind not in TYPES:
-        raise ValueError(f"reward type {kind!r} is unknown; choose one of {list(TYPES)}")
-    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
-        raise ValueError(f"reward {name or kind!r}: weight must be a finite number, got {weight!r}")
-    if kind == "model":
-        if not model_path or path:
-            raise ValueError(
-                "reward type 'model' needs `path:` a `tandem rm` final/ folder, and no `function`"
-            )
-        return _Component(
-            name or kind, float(weight), ModelReward(model_path, device=device).score, model_path
-        )
-    if model_path:
-        raise ValueError(f"reward type {kind!r} takes no `path` ({model_path!r}); use type 'model'")
-    if kind == "function":
-        if not path:
-            raise ValueError("reward type 'function' needs `function: package.module:function`")
-        return _Component(
-            name or path.rpartition(":")[2], float(weight), _per_item(load_function(path)), path
-        )
-    if path:
-        raise ValueError(
-            f"reward type {kind!r} is built in and takes no `function` ({path!r}); use type 'function'"
-        )
-    return _Component(name or kind, float(weight), _per_item(_BUILTINS[kind]), kind)
+def _component(spec: RewardSpec, device: Any) -> _Component:
+    """A checked spec's reward function (check_rewards holds the rules)."""
+    name, weight = spec.resolved_name, float(spec.weight)
+    if spec.type == "model":
+        return _Component(name, weight, ModelReward(spec.path, device=device).score, spec.path)
+    if spec.type == "function":
+        return _Component(name, weight, _per_item(load_function(spec.function)), spec.function)
+    return _Component(name, weight, _per_item(_BUILTINS[spec.type]), spec.type)

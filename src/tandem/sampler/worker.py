@@ -72,7 +72,7 @@ def default_sampler_id() -> str:
 
 def batch_share(cfg: Config) -> int:
     """Groups the trainer takes from one sampler per batch (Q above)."""
-    return math.ceil(cfg.grpo.prompts_per_step / cfg.pipeline.num_samplers)
+    return math.ceil(cfg.prompts_per_step / cfg.pipeline.num_samplers)
 
 
 def groups_allowed(

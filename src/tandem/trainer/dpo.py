@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from tandem.algorithms.dpo import dpo_loss, safe_mm_margin, sequence_logps
-from tandem.config import Config, ConfigError
+from tandem.config import Config, ConfigError, TrainingConfig
 from tandem.data.preferences import EncodedPair, PreferencePair, encode_pair, load_preferences
 from tandem.distributed.batches import rank_micro_batches
 from tandem.distributed.engine import build_engine, frozen_forward
@@ -122,9 +122,9 @@ def prepare(cfg: Config, engine, tokenizer, env: DistEnv, device: torch.device):
     reference = build_reference(cfg, engine, tokenizer, env, device)
     if cfg.dpo.reference_logps == "precompute":
         with reference_forward(reference, engine) as forward:
-            train.ref_logps = precompute_ref_logps(forward, train, cfg, env, device)
+            train.ref_logps = precompute_ref_logps(forward, train, cfg.training, env, device)
             if evals.pairs:
-                evals.ref_logps = precompute_ref_logps(forward, evals, cfg, env, device)
+                evals.ref_logps = precompute_ref_logps(forward, evals, cfg.training, env, device)
         reference = None  # training needs only the numbers
         gc.collect()
         if device.type == "cuda":
@@ -182,12 +182,12 @@ def load_pairs(cfg: Config) -> tuple[list[PreferencePair], list[PreferencePair]]
 
 
 def pair_logps(
-    forward, pairs: list[EncodedPair], pad_id: int, cfg: Config, device: torch.device
+    forward, pairs: list[EncodedPair], pad_id: int, tc: TrainingConfig, device: torch.device
 ) -> torch.Tensor:
     """Sequence log-probs [n, 2] (chosen, rejected): each pair is one packed row
     [prompt | chosen | rejected], its prompt computed once and each answer seeing only the prompt."""
     packed = pack_rows([(p.prompt_ids, [p.chosen_ids, p.rejected_ids]) for p in pairs], pad_id).to(device)
-    with autocast(device, cfg.training.mixed_precision):
+    with autocast(device, tc.mixed_precision):
         token_logprobs = forward(packed)  # [2n, T]
     lengths = torch.tensor(packed.completion_lengths, device=token_logprobs.device)
     positions = torch.arange(token_logprobs.shape[1], device=token_logprobs.device)
@@ -208,7 +208,8 @@ def build_reference(cfg: Config, engine, tokenizer, env: DistEnv, device: torch.
         )
     elif cfg.dpo.reference_logps == "precompute":
         return None
-    model = run.load_model(cfg, env, device, cfg.model.reference or cfg.model.policy, trainable=False)
+    spec = cfg.model.reference or cfg.model.policy
+    model = run.load_model(cfg.model, cfg.training, env, device, spec, trainable=False)
     return frozen_forward(model, cfg.training, env)
 
 
@@ -230,13 +231,13 @@ def reference_forward(reference, engine):
 
 
 def precompute_ref_logps(
-    forward, data: PairData, cfg: Config, env: DistEnv, device: torch.device
+    forward, data: PairData, tc: TrainingConfig, env: DistEnv, device: torch.device
 ) -> torch.Tensor:
     """Reference log-probs [N, 2] of every pair: rank r computes pairs r, r + W, ..., the sum over
     ranks (each pair non-zero on one rank only, float64: exact) fills in the rest."""
     out = torch.zeros(len(data.pairs), 2, dtype=torch.float64)
-    for micro, weight in rank_micro_batches(list(range(len(data.pairs))), cfg.training.micro_batch_size, env):
-        logps = pair_logps(forward, [data.pairs[i] for i in micro], data.pad_id, cfg, device)
+    for micro, weight in rank_micro_batches(list(range(len(data.pairs))), tc.micro_batch_size, env):
+        logps = pair_logps(forward, [data.pairs[i] for i in micro], data.pad_id, tc, device)
         if weight:
             out[micro] = logps.double().cpu()
     return torch.tensor(all_reduce_sum(env, out.flatten().tolist()), dtype=torch.float32).view(-1, 2)
@@ -301,8 +302,8 @@ def micro_batch_loss(engine, data: PairData, micro: list[int], reference, cfg: C
         ref = data.ref_logps[micro].to(device)
     else:
         with reference_forward(reference, engine) as forward:
-            ref = pair_logps(forward, pairs, data.pad_id, cfg, device)
-    policy = pair_logps(engine.model, pairs, data.pad_id, cfg, device)
+            ref = pair_logps(forward, pairs, data.pad_id, cfg.training, device)
+    policy = pair_logps(engine.model, pairs, data.pad_id, cfg.training, device)
     margin = data.margins[micro].to(device) if data.margins is not None else None
     return dpo_loss(
         policy[:, 0],

@@ -3,8 +3,9 @@ publish weights, repeat.
 
 PPO runs on GRPO's sampler/trainer split (trainer/grpo.py, DESIGN.md section 1): samplers (or this
 process, `pipeline.mode: colocated`) generate completions with their sampler (old-policy) and
-reference log-probs and rewards; prompts per step come from `grpo.prompts_per_step`, shared with
-GRPO, and `sampling.num_generations` may be 1. The sampler knows nothing of values:
+reference log-probs and rewards; prompts per step come from `ppo.prompts_per_step` (unset: from
+`grpo.prompts_per_step`, its older name; `cfg.prompts_per_step` says which), and
+`sampling.num_generations` may be 1. The sampler knows nothing of values:
 **the trainer computes them**, with a value head on the policy's trunk (models/value_head.py), so
 the wire format, the samplers and weight sync stay GRPO's and values always come from the newest
 critic. Per batch of groups, rank 0 splits each optimizer batch across the ranks by whole groups
@@ -76,6 +77,11 @@ def train_ppo(cfg: Config) -> Path:
 
 def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     validate_batch(cfg, env.world_size)
+    if env.is_main and cfg.ppo.prompts_per_step is None:
+        log.info(
+            "ppo.prompts_per_step is unset: %d prompts per batch, from grpo.prompts_per_step",
+            cfg.prompts_per_step,
+        )
     pc, tc = cfg.ppo, cfg.training
     resume_path = open_run(cfg, env)
     tokenizer, policy = load_policy(cfg, env, device)

@@ -125,7 +125,7 @@ class RankBatches:
         self.advantages = dict(
             scale_rewards=scale_rewards, adv_eps=adv_eps, skip_zero_variance=skip_zero_variance
         )
-        full_batch = cfg.grpo.prompts_per_step * cfg.sampling.num_generations
+        full_batch = cfg.prompts_per_step * cfg.sampling.num_generations
         self.steps_per_batch = batch_steps(cfg.training, full_batch, num_iterations, env.world_size)
         if experience is not None:
             experience.expect(step, 0, self.steps_per_batch)
@@ -134,7 +134,7 @@ class RankBatches:
         batch, samples = Batch(), []
         if self.env.is_main:
             groups, stats = self.experience.next_groups(
-                self.cfg.grpo.prompts_per_step, lambda: keep_alive(self.env)
+                self.cfg.prompts_per_step, lambda: keep_alive(self.env)
             )
             batch = Batch(groups, {**summarize_groups(groups), **stats})
             samples = flatten_groups(groups, **self.advantages)
@@ -181,7 +181,7 @@ def open_experience(cfg: Config, env: DistEnv, engine, tokenizer, generator, dev
 
 
 def local_experience(cfg: Config, policy, tokenizer, generator, device) -> LocalExperience:
-    stream = prompt_stream(cfg.data, cfg.grpo.prompts_per_step, seed=cfg.seed, stream_seed=cfg.seed)
+    stream = prompt_stream(cfg.data, cfg.prompts_per_step, seed=cfg.seed, stream_seed=cfg.seed)
     return LocalExperience(build_rollout(cfg, policy, tokenizer, generator, device), stream, policy)
 
 

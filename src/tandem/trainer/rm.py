@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from tandem.algorithms.reward_model import pairwise_loss
 from tandem.atomic import atomic_write_text
-from tandem.config import Config
+from tandem.config import Config, TrainingConfig
 from tandem.data.preferences import EncodedPair, encode_pair, load_preferences
 from tandem.distributed.batches import rank_micro_batches
 from tandem.distributed.engine import build_engine
@@ -60,7 +60,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     step = run.resume_data_loop(resume_path, engine, env, data_state)
     logger = run.data_loop_logger(cfg, env, step)
     # the untrained head's accuracy (about chance), reported in the first row
-    initial = evaluate(engine, eval_set, cfg, device, env, pad_id) if step == 0 else {}
+    initial = evaluate(engine, eval_set, cfg.training, device, env, pad_id) if step == 0 else {}
     initial = {f"{k}_initial": v for k, v in initial.items()}
     bar = tqdm(total=num_steps, initial=step, desc="rm", dynamic_ncols=True, disable=not env.is_main)
     last_saved, batches, final_eval = step, (-1, []), {}  # batches: (epoch, its batches of pair indices)
@@ -74,13 +74,13 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
                     run.epoch_batches(len(train_set), batch_size, epoch, cfg.seed, cfg.data.shuffle, "rm"),
                 )
             batch = [train_set[i] for i in batches[1][index]]
-            row = optimizer_step(engine, batch, cfg, device, env, pad_id)
+            row = optimizer_step(engine, batch, cfg.training, device, env, pad_id)
             step += 1
             row = {"step": step, "epoch": step / steps_per_epoch, **row, **initial}
             row["step_seconds"], initial = time.perf_counter() - t0, {}
             if (tc.eval_steps and step % tc.eval_steps == 0) or step == num_steps:
                 t1 = time.perf_counter()
-                final_eval = evaluate(engine, eval_set, cfg, device, env, pad_id)
+                final_eval = evaluate(engine, eval_set, cfg.training, device, env, pad_id)
                 row.update(final_eval, time_eval=time.perf_counter() - t1)
             if tc.save_steps and step % tc.save_steps == 0:
                 run.save_data_loop(
@@ -150,7 +150,7 @@ def score_pairs(model, pairs: list[EncodedPair], device: torch.device, pad_id: i
 def optimizer_step(
     engine,
     batch: list[EncodedPair],
-    cfg: Config,
+    tc: TrainingConfig,
     device: torch.device,
     env: DistEnv = LOCAL,
     pad_id: int = 0,
@@ -158,7 +158,6 @@ def optimizer_step(
     """Gradient accumulation over this rank's micro-batches of the global `batch`: each micro-batch's
     mean pairwise loss is weighted by its pairs over the batch's (every rank holds the batch, so that
     count needs no collective), then clipping and one optimizer step."""
-    tc = cfg.training
     micro_batches = rank_micro_batches(batch, tc.micro_batch_size, env)
     lr = engine.lr()
     engine.model.train()
@@ -191,7 +190,7 @@ def optimizer_step(
 def evaluate(
     engine,
     pairs: list[EncodedPair],
-    cfg: Config,
+    tc: TrainingConfig,
     device: torch.device,
     env: DistEnv = LOCAL,
     pad_id: int = 0,
@@ -202,8 +201,8 @@ def evaluate(
         return {}
     engine.model.eval()
     sums = {"loss_sum": 0.0, "correct": 0.0, "margin_sum": 0.0}
-    for micro, weight in rank_micro_batches(pairs, cfg.training.micro_batch_size, env):
-        with autocast(device, cfg.training.mixed_precision):
+    for micro, weight in rank_micro_batches(pairs, tc.micro_batch_size, env):
+        with autocast(device, tc.mixed_precision):
             chosen, rejected = score_pairs(engine.model, micro, device, pad_id)
         if weight:
             margins = chosen - rejected

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tandem.atomic import remove_leftovers
-from tandem.config import Config, ConfigError, config_to_dict, dump_config
+from tandem.config import Config, ConfigError, ModelConfig, TrainingConfig, config_to_dict, dump_config
 from tandem.distributed.engine import is_partitioned, partitioned_loading
 from tandem.distributed.env import DistEnv, barrier, broadcast_json, init_distributed, main_first, shutdown
 from tandem.distributed.runtime import (
@@ -118,7 +118,7 @@ def load_policy(cfg: Config, env: DistEnv, device: torch.device, loader: Callabl
         tokenizer = load_tokenizer(
             cfg.model.tokenizer or cfg.model.policy, trust_remote_code=cfg.model.trust_remote_code
         )
-    model = load_model(cfg, env, device, cfg.model.policy, loader)
+    model = load_model(cfg.model, cfg.training, env, device, cfg.model.policy, loader)
     if cfg.model.lora.enabled:
         model = apply_lora(model, cfg.model.lora)  # only the adapters (and any new head) train
     if cfg.training.gradient_checkpointing:
@@ -132,7 +132,15 @@ def load_policy(cfg: Config, env: DistEnv, device: torch.device, loader: Callabl
     return tokenizer, model
 
 
-def load_model(cfg: Config, env: DistEnv, device: torch.device, spec: str, loader=load_causal_lm, **kwargs):
+def load_model(
+    mc: ModelConfig,
+    tc: TrainingConfig,
+    env: DistEnv,
+    device: torch.device,
+    spec: str,
+    loader=load_causal_lm,
+    **kwargs,
+):
     """Model `spec` loaded by `loader` in model.dtype on every rank. Under ZeRO-3 each rank builds
     only its shard (partitioned_loading: deepspeed.zero.Init), all ranks at once; otherwise rank 0
     loads first, then the others, so that their peaks do not add up."""
@@ -140,13 +148,13 @@ def load_model(cfg: Config, env: DistEnv, device: torch.device, spec: str, loade
         # a GGUF file or the embedded model becomes an HF folder here, once, by rank 0 alone (in
         # full: zero.Init cannot read a GGUF); the sharded load below reads that folder
         path = resolve_model_path(spec)
-    num_parameters = functools.partial(count_parameters, path, trust_remote_code=cfg.model.trust_remote_code)
-    hidden = _hidden_size(path, cfg) if cfg.training.deepspeed_config else None  # its "auto" buckets
-    with partitioned_loading(cfg.training, env, cfg.model.dtype, num_parameters, hidden) as partitioned:
+    num_parameters = functools.partial(count_parameters, path, trust_remote_code=mc.trust_remote_code)
+    hidden = _hidden_size(path, mc.trust_remote_code) if tc.deepspeed_config else None  # its "auto" buckets
+    with partitioned_loading(tc, env, mc.dtype, num_parameters, hidden) as partitioned:
         in_turn = contextlib.nullcontext() if partitioned else main_first(env)
         with in_turn:  # sharded: the shards stay where zero.Init put them (device None)
             on = None if partitioned else device
-            model = loader(path, dtype=cfg.model.dtype, **model_kwargs(cfg.model, on), **kwargs)
+            model = loader(path, dtype=mc.dtype, **model_kwargs(mc, on), **kwargs)
     if partitioned and not is_partitioned(model):  # transformers skips zero.Init for a quantized checkpoint
         log.warning("%s was loaded whole on every rank: transformers did not shard it at load", spec)
         model = model.to(device)
@@ -155,10 +163,10 @@ def load_model(cfg: Config, env: DistEnv, device: torch.device, spec: str, loade
     return model
 
 
-def _hidden_size(path: str, cfg: Config) -> int | None:
+def _hidden_size(path: str, trust_remote_code: bool) -> int | None:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     size = getattr(config, "hidden_size", None)
     return size if isinstance(size, int) else None
 
