@@ -391,9 +391,9 @@ def test_a_local_sampler_loads_a_lent_snapshot_without_bytes_sent(tiny_model_dir
 
 @pytest.mark.skipif(shared_prefix("ab") is None, reason="no /dev/shm")
 def test_a_lease_that_ran_out_is_noticed_and_frees_the_buffer(tiny_model_dir, monkeypatch):
-    from tandem.transport import weights
+    from tandem.transport.weights import zmq_server
 
-    monkeypatch.setattr(weights, "LEASE_S", 0.2)
+    monkeypatch.setattr(zmq_server, "LEASE_S", 0.2)
     trainer, sampler = model_pair(tiny_model_dir)
     server, client, buffers = shared_server("d4e5f6")
     try:
