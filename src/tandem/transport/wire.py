@@ -74,7 +74,7 @@ _CHUNK_KEYS = frozenset(
 _MANIFEST_KEYS = frozenset({"version", "run_id", "total_bytes", "tensors", "chunks"})
 _TENSOR_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes"})
 _STATUS_KEYS = frozenset({"version", "run_id", "starved", "finished", "batches", "take_versions"})
-MAX_TAKE_VERSIONS = 1024  # a trainer announces at most 256 (trainer/experience.py)
+MAX_TAKE_VERSIONS = 1024  # a trainer announces at most 256 (pacing.MAX_TAKES_ANNOUNCED)
 WEIGHT_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # name -> itemsize
 
 # the `reason` classes of WireError, for counting dropped messages
