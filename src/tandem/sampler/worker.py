@@ -12,10 +12,10 @@ One loop, one batch of prompts at a time:
    sync_every above the steps per batch). Groups made with version K are fresh until the trainer
    passes K + max_staleness, so a sampler holding K may have made, since it joined at batch B0,
    Q x (B - B0 + #{next takes at versions <= K + max_staleness}) groups, with
-   Q = ceil(prompts_per_step / num_samplers) its share of a batch (transport/pacing.py). At that quota it waits for the
-   next version (0 staleness: strictly on-policy, it makes each batch with the weights that will
-   train on it). A trainer that reports itself starved (a sampler died, or the shares are uneven)
-   lifts the quota, so the pipeline never deadlocks.
+   Q = ceil(prompts_per_step / num_samplers) its share of a batch (the rules: transport/pacing.py).
+   At that quota it waits for the next version (0 staleness: strictly on-policy, it makes each batch
+   with the weights that will train on it). A trainer that reports itself starved (a sampler died,
+   or the shares are uneven) lifts the quota, so the pipeline never deadlocks.
 3. Generate, score and PUSH the groups (blocking on the high-water mark: a slow trainer makes
    this sampler wait, nothing is dropped). A finished trainer ends the loop; a silent one is
    waited for (and reported), up to `pipeline.trainer_timeout_s` when that is set. A trainer that
