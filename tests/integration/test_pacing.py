@@ -10,10 +10,10 @@ import torch
 zmq = pytest.importorskip("zmq")
 
 from tandem.config import load_config  # noqa: E402
-from tandem.sampler.worker import groups_allowed  # noqa: E402
 from tandem.trainer.experience import RemoteExperience  # noqa: E402
 from tandem.trainer.rl_steps import batch_steps  # noqa: E402
 from tandem.transport.channel import GroupSender, free_tcp_port  # noqa: E402
+from tandem.transport.pacing import groups_allowed  # noqa: E402
 from tandem.transport.weights import FsWeightReader  # noqa: E402
 from tandem.types import Completion, Group  # noqa: E402
 

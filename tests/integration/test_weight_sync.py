@@ -271,6 +271,38 @@ def test_a_fetch_waits_for_a_slow_transfer_but_not_for_a_silent_one(tiny_model):
     thread.join()
 
 
+def test_a_malformed_status_is_dropped_and_counted_not_raised(tmp_path):
+    """The trainer's status has a strict schema (wire.status_from_json): a reply or a status.json
+    that misses a field is ignored and counted by the sampler's side, which asks again."""
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+
+    def serve() -> None:  # a trainer that answers a status request without `take_versions`
+        ctx = zmq.Context.instance()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(address)
+        identity, body = router.recv_multipart()
+        request = decode_control([body], max_bytes=4096)[1]["request"]
+        payload = {"request": request, "version": 0, "run_id": "r", "starved": False, "finished": False}
+        router.send_multipart([identity, *encode_control("status", {**payload, "batches": 0})])
+        time.sleep(0.5)
+        router.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = WeightClient(address)
+    assert client.status(timeout_s=1.0) is None and client.dropped["invalid"] == 1
+    client.close()
+    thread.join()
+
+    writer = FsWeightWriter(tmp_path / "weights", run_id="r")
+    reader = FsWeightReader(tmp_path / "weights")
+    assert reader.status().version == -1
+    (tmp_path / "weights" / "status.json").write_text('{"version": 0, "run_id": "r"}')
+    assert reader.status() is None and reader.dropped["invalid"] == 1
+    writer.close()
+
+
 def test_fs_sync_is_atomic_checksummed_and_pruned(tiny_model_dir, tmp_path):
     trainer, sampler = model_pair(tiny_model_dir)
     writer = FsWeightWriter(tmp_path / "weights", run_id="run-a", keep=2)
@@ -391,9 +423,9 @@ def test_a_local_sampler_loads_a_lent_snapshot_without_bytes_sent(tiny_model_dir
 
 @pytest.mark.skipif(shared_prefix("ab") is None, reason="no /dev/shm")
 def test_a_lease_that_ran_out_is_noticed_and_frees_the_buffer(tiny_model_dir, monkeypatch):
-    from tandem.transport import weights
+    from tandem.transport.weights import zmq_server
 
-    monkeypatch.setattr(weights, "LEASE_S", 0.2)
+    monkeypatch.setattr(zmq_server, "LEASE_S", 0.2)
     trainer, sampler = model_pair(tiny_model_dir)
     server, client, buffers = shared_server("d4e5f6")
     try:

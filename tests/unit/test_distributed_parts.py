@@ -245,11 +245,10 @@ def test_a_cuda_group_maps_cpu_tensors_to_gloo():
 def test_zero3_ranks_gather_only_for_the_steps_that_publish():
     """Every rank can tell which optimizer steps publish weights (decoupled, every sync_every), so
     ZeRO-3 gathers the full parameters on those steps only; colocated runs never publish."""
-    from tandem.trainer.experience import publishes_at
+    from tandem.transport.pacing import publishes_at
 
-    cfg = load_config(None, ["pipeline.mode=decoupled", "pipeline.sync_every=3"])
-    assert [s for s in range(1, 10) if publishes_at(cfg, s)] == [3, 6, 9]
-    assert not any(publishes_at(load_config(None, ["pipeline.mode=colocated"]), s) for s in range(1, 5))
+    assert [s for s in range(1, 10) if publishes_at(s, 3)] == [3, 6, 9]
+    assert not any(publishes_at(s, 1, decoupled=False) for s in range(1, 5))
 
 
 def test_an_fp16_loss_scale_survives_a_resume(tiny_model, tmp_path):

@@ -1,5 +1,5 @@
-"""Snapshot buffers in shared memory (transport/weights.py): a file's pages are reserved before any
-write, so a /dev/shm without room is one log line and the socket, never a SIGBUS; where the files
+"""Snapshot buffers in shared memory (transport/weights/snapshot.py): a file's pages are reserved
+before any write, so a /dev/shm without room is one log line and the socket, never a SIGBUS; where the files
 go; page-locking them for a GPU's copies (checked with a stand-in CUDA runtime here, for real under
 the `gpu` marker)."""
 
@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from integration.test_shm_exhaustion import CHILD, _assert_fell_back
-from tandem.transport import weights
-from tandem.transport.weights import SnapshotBuffers, reserve, shared_prefix, take_snapshot
+from tandem.transport.weights import SnapshotBuffers, reserve, shared_prefix, snapshot, take_snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 NBYTES = 3 * 2**20 + 100  # not a whole number of pages or of write blocks
@@ -87,7 +86,7 @@ def test_no_room_is_an_error_not_a_fallback_to_sparse(fd, monkeypatch):
 def test_an_empty_snapshot_still_gets_a_shared_buffer(tmp_path, caplog):
     """posix_fallocate refuses a length of 0 (EINVAL): nothing to reserve, nothing to warn about."""
     buffers = SnapshotBuffers(shared_prefix=f"{tmp_path}/tandem-r1")
-    with caplog.at_level(logging.WARNING, logger="tandem.transport.weights"):
+    with caplog.at_level(logging.WARNING, logger="tandem.transport.weights.snapshot"):
         snap = buffers.snapshot([], publisher=Busy(), version=0, run_id="r1")
     buffers.close()
     assert snap.path is not None and snap.manifest.total_bytes == 0 and not caplog.records
@@ -105,7 +104,7 @@ def test_shared_files_go_where_they_are_told(tmp_path):
 
 def test_the_log_line_says_what_is_needed_and_the_fix(tmp_path):
     err = OSError(errno.ENOSPC, "No space left on device")
-    line = weights.no_shared_buffer_message(tmp_path, 6_200_000_000, 3, err)
+    line = snapshot.no_shared_buffer_message(tmp_path, 6_200_000_000, 3, err)
     assert "6.20 GB snapshot" in line and "3 snapshots (18.60 GB)" in line
     assert " free" in line and "--ipc=host" in line and "--shm-size=19g" in line  # 17.3 GiB, rounded up, +1
 
@@ -188,8 +187,8 @@ def cuda_host(monkeypatch):
         calls.append((name, device, *args))
         return stand_in["result"] if name == "cudaHostRegister" else 0
 
-    monkeypatch.setattr(weights, "_cuda_device", lambda named: 0)
-    monkeypatch.setattr(weights, "_cuda_host_call", call)
+    monkeypatch.setattr(snapshot, "_cuda_device", lambda named: 0)
+    monkeypatch.setattr(snapshot, "_cuda_host_call", call)
     return stand_in
 
 
@@ -211,7 +210,7 @@ def test_shared_buffers_of_a_gpu_trainer_are_page_locked_until_they_leave(tmp_pa
 def test_a_buffer_that_cannot_be_page_locked_is_used_as_it_is(tmp_path, cuda_host, caplog):
     cuda_host["result"] = 801  # cudaErrorNotSupported
     buffers = SnapshotBuffers(keep=1, shared_prefix=f"{tmp_path}/tandem-r1")
-    with caplog.at_level(logging.INFO, logger="tandem.transport.weights"):
+    with caplog.at_level(logging.INFO, logger="tandem.transport.weights.snapshot"):
         snaps = [
             buffers.snapshot([("w", torch.ones(10))], publisher=Busy(), version=v, run_id="r1")
             for v in (0, 1)
@@ -243,7 +242,7 @@ def test_heap_buffers_of_a_gpu_trainer_are_registered_too(cuda_host):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a torch without CUDA")
 def test_without_a_cuda_runtime_page_locking_fails_quietly():
-    assert weights._cuda_host_call("cudaHostRegister", 0, 0, 0, 1) == -1
+    assert snapshot._cuda_host_call("cudaHostRegister", 0, 0, 0, 1) == -1
 
 
 @pytest.mark.gpu
@@ -266,5 +265,5 @@ def test_a_failed_cuda_host_call_leaves_no_error_behind():
     """A failed runtime call sets its thread's last error; the next kernel launch in that thread
     would raise it. The call runs in a thread of its own."""
     stray = torch.empty(4096, dtype=torch.uint8)
-    assert weights._cuda_host_call("cudaHostUnregister", 0, stray.data_ptr()) != 0  # never registered
+    assert snapshot._cuda_host_call("cudaHostUnregister", 0, stray.data_ptr()) != 0  # never registered
     assert torch.ones(4, device="cuda").add_(1).sum().item() == 8

@@ -22,8 +22,10 @@ from tandem.transport.wire import (
     decode_group,
     encode_control,
     encode_group,
+    status_from_json,
+    status_to_json,
 )
-from tandem.types import Completion, Group
+from tandem.types import Completion, Group, TrainerStatus
 
 
 def make_group(
@@ -630,6 +632,48 @@ def test_decode_control_rejects(frames, reason, match):
     with pytest.raises(WireError, match=match) as info:
         decode_control(frames)
     assert info.value.reason == reason
+
+
+# ----------------------------------------------------------------------------- trainer status
+
+
+def test_trainer_status_round_trip():
+    status = TrainerStatus(7, "run-a", starved=True, finished=False, batches=3, take_versions=(7, 8, 8))
+    assert status_from_json(json.loads(json.dumps(status_to_json(status)))) == status
+    fresh = TrainerStatus(-1, "run-b")  # nothing published yet
+    assert status_from_json(status_to_json(fresh)) == fresh
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"version": None}, "version must be an int >= -1"),
+        ({"version": -2}, "version must be an int >= -1"),
+        ({"version": True}, "version must be an int >= -1"),
+        ({"run_id": 5}, "run_id must be a str"),
+        ({"starved": 0}, "starved must be a bool"),
+        ({"finished": "no"}, "finished must be a bool"),
+        ({"batches": -1}, "batches must be an int >= 0"),
+        ({"take_versions": [1, 2.0]}, "take_versions must be a list"),
+        ({"take_versions": list(range(1025))}, "take_versions must be a list of at most 1024"),
+        ({"take_versions": None}, "take_versions must be a list"),
+        ({"extra": 1}, "unexpected key"),
+    ],
+)
+def test_trainer_status_rejects_ill_typed_fields(change, match):
+    obj = {**status_to_json(TrainerStatus(2, "r", batches=1, take_versions=(2, 3))), **change}
+    with pytest.raises(WireError, match=match):
+        status_from_json(obj)
+
+
+@pytest.mark.parametrize("key", ["version", "run_id", "starved", "finished", "batches", "take_versions"])
+def test_trainer_status_has_no_defaults(key):
+    obj = status_to_json(TrainerStatus(2, "r"))
+    del obj[key]
+    with pytest.raises(WireError, match="missing key"):
+        status_from_json(obj)
+    with pytest.raises(WireError, match="must be an object"):
+        status_from_json([])
 
 
 def test_group_message_is_not_a_control_message_and_vice_versa():

@@ -12,10 +12,10 @@ One loop, one batch of prompts at a time:
    sync_every above the steps per batch). Groups made with version K are fresh until the trainer
    passes K + max_staleness, so a sampler holding K may have made, since it joined at batch B0,
    Q x (B - B0 + #{next takes at versions <= K + max_staleness}) groups, with
-   Q = ceil(prompts_per_step / num_samplers) its share of a batch. At that quota it waits for the
-   next version (0 staleness: strictly on-policy, it makes each batch with the weights that will
-   train on it). A trainer that reports itself starved (a sampler died, or the shares are uneven)
-   lifts the quota, so the pipeline never deadlocks.
+   Q = ceil(prompts_per_step / num_samplers) its share of a batch (the rules: transport/pacing.py).
+   At that quota it waits for the next version (0 staleness: strictly on-policy, it makes each batch
+   with the weights that will train on it). A trainer that reports itself starved (a sampler died,
+   or the shares are uneven) lifts the quota, so the pipeline never deadlocks.
 3. Generate, score and PUSH the groups (blocking on the high-water mark: a slow trainer makes
    this sampler wait, nothing is dropped). A finished trainer ends the loop; a silent one is
    waited for (and reported), up to `pipeline.trainer_timeout_s` when that is set. A trainer that
@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
 import time
 import zlib
-from pathlib import Path
 
 import torch
 import zmq
@@ -49,13 +47,8 @@ from tandem.models.loading import load_tokenizer
 from tandem.models.lora import adapter_parameters, is_lora
 from tandem.sampler.rollout import build_rollout
 from tandem.transport.channel import GroupSender
-from tandem.transport.weights import (
-    FsWeightReader,
-    WeightClient,
-    WeightSyncError,
-    load_weights,
-    sync_address,
-)
+from tandem.transport.pacing import batch_share, groups_allowed
+from tandem.transport.weights import WeightSyncError, weight_source
 from tandem.types import TrainerStatus
 
 log = logging.getLogger(__name__)
@@ -63,26 +56,10 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0  # long-poll slice while waiting for the trainer
 STARVED_GRACE_S = 5.0  # at quota, wait this long for new weights before honouring `starved`
 SILENT_WARN_S = 30.0
-FETCH_IDLE_S = 30.0  # a weight fetch gives up after this long without a frame (then asks again)
 
 
 def default_sampler_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def batch_share(cfg: Config) -> int:
-    """Groups the trainer takes from one sampler per batch (Q above)."""
-    return math.ceil(cfg.prompts_per_step / cfg.pipeline.num_samplers)
-
-
-def groups_allowed(
-    status: TrainerStatus, version: int, first_batch: int, share: int, max_staleness: int
-) -> int:
-    """Groups a sampler holding `version` may have made since it joined the trainer's run at batch
-    `first_batch`: its share of every batch taken since, and of each announced one that will still
-    find them fresh."""
-    fresh_until = version + max_staleness
-    return share * (status.batches - first_batch + sum(v <= fresh_until for v in status.take_versions))
 
 
 class TrainerGone(RuntimeError):
@@ -110,19 +87,12 @@ class Sampler:
         self.state_path = self.log_dir / f"{sampler_id}.state.json"
         if self.state_path.is_file():
             self.stream.load_state_dict(json.loads(self.state_path.read_text())["data"])
-        self.share = batch_share(cfg)
+        self.share = batch_share(cfg.prompts_per_step, p.num_samplers)  # Q above
 
         self.context = zmq.Context()
-        data_address = f"tcp://{p.trainer_host}:{p.data_port}"
-        self.sender = GroupSender(data_address, sndhwm=p.send_hwm, context=self.context, curve=p.curve)
-        if p.sync_method == "zmq":
-            weights_address = f"tcp://{p.trainer_host}:{p.sync_port}"  # ipc once it proves to answer
-            self.weights = WeightClient(weights_address, context=self.context, curve=p.curve)
-            self.trainer_where = f"{data_address} (weights {weights_address})"
-        else:
-            root = Path(p.sync_dir) if p.sync_dir else cfg.run_dir / "weights"
-            self.weights = FsWeightReader(root)
-            self.trainer_where = f"{data_address} (weights in {root})"
+        self.data_address = f"tcp://{p.trainer_host}:{p.data_port}"
+        self.sender = GroupSender(self.data_address, sndhwm=p.send_hwm, context=self.context, curve=p.curve)
+        self.weights = weight_source(p, cfg.run_dir, self.context)
 
         self.version = -1  # the weights the rollout policy holds; -1 = none from the trainer yet
         self.run_id: str | None = None
@@ -134,6 +104,10 @@ class Sampler:
         self._last_warning = 0.0
         self._told_refusal: str | None = None  # the handshake problem last reported
         self._last_refusal_warning = 0.0
+
+    @property
+    def trainer_where(self) -> str:
+        return f"{self.data_address} ({self.weights.where})"
 
     # ------------------------------------------------------------------ trainer status
 
@@ -216,39 +190,19 @@ class Sampler:
                 )
                 return status
 
-    def _prefer_local_socket(self, status: TrainerStatus) -> None:
-        """Fetch from a trainer on this host over its ipc twin, once that answers as the same run
-        (a file left by a trainer that died is not trusted); TCP stays the fallback."""
-        p = self.cfg.pipeline
-        if not isinstance(self.weights, WeightClient) or not self.weights.address.startswith("tcp://"):
-            return
-        address = sync_address(p.trainer_host, p.sync_port)
-        if address == self.weights.address:
-            return
-        local = WeightClient(address, context=self.context, curve=p.curve)
-        answer = local.status(timeout_s=1.0)
-        if answer is None or answer.run_id != status.run_id:
-            local.close()
-            return
-        self.weights.close()
-        self.weights = local
-        self.trainer_where = self.trainer_where.replace(f"tcp://{p.trainer_host}:{p.sync_port}", address)
-
     def update_weights(self, status: TrainerStatus) -> float | None:
         """Fetch and load the newest weights; the seconds it took, or None when it failed (the
         trainer went away, pruned that version, or sent a bad reply: the next status says what now)."""
         start = time.perf_counter()
-        self._prefer_local_socket(status)
-        # a trainer on this host (reached over its ipc twin) lends its snapshot file: no bytes sent
-        local = isinstance(self.weights, WeightClient) and self.weights.address.startswith("ipc://")
+        policy = self.rollout.policy
+        params = adapter_parameters(policy) if is_lora(policy) else None
         try:
-            got = self._fetch(status, local)
+            manifest = self.weights.load_newest(policy, params, status)
         except WeightSyncError as err:  # a bad reply costs this attempt only; the next status retries
             log.warning("sampler %s: %s; asking the trainer again", self.sampler_id, err)
             return None
-        if got is None:
+        if manifest is None:
             return None
-        manifest = got[0]
         if manifest.run_id != self.run_id:
             log.info(
                 "sampler %s: trainer run %s, weights v%d", self.sampler_id, manifest.run_id, manifest.version
@@ -257,34 +211,6 @@ class Sampler:
         self.version, self.run_id = manifest.version, manifest.run_id
         self.schedule = status if status.run_id == manifest.run_id else None
         return time.perf_counter() - start
-
-    def _fetch(self, status: TrainerStatus, local: bool) -> tuple | None:
-        """Fetch and load the newest weights: borrowed from a same-host trainer, else in chunks."""
-        policy = self.rollout.policy
-        params = adapter_parameters(policy) if is_lora(policy) else None
-        got = self.weights.fetch(timeout_s=FETCH_IDLE_S, shared=True) if local else None
-        if local and got is None and not self._same_trainer(status):
-            return None  # the loan failed because its lender exited: a restarted trainer is next
-        if got is not None:
-            load_weights(policy, got[1], got[0], params)
-            held = self.weights.lease_held()
-            self.weights.release()  # the trainer may reuse that buffer now
-            if not held:  # loaded too slowly: the file may have changed meanwhile
-                log.warning(
-                    "sampler %s: a lent snapshot outlived its lease; fetching it again", self.sampler_id
-                )
-                got = None
-        if got is None:
-            got = self.weights.fetch(timeout_s=FETCH_IDLE_S)
-            if got is not None:
-                load_weights(policy, got[1], got[0], params)
-        return got
-
-    def _same_trainer(self, status: TrainerStatus) -> bool:
-        """Whether the trainer that sent `status` still answers (a request sent just as it died is
-        lost, so this is asked before a chunk fetch that would otherwise wait FETCH_IDLE_S)."""
-        answer = self.weights.status(timeout_s=2.0)
-        return answer is not None and answer.run_id == status.run_id
 
     def remaining(self) -> int:
         """Groups this sampler may still make before it waits for newer weights (pacing, above)."""

@@ -24,6 +24,7 @@ from tandem.config import Config
 from tandem.data.stream import PromptStream
 from tandem.models.lora import sync_tensors
 from tandem.sampler.rollout import Rollout
+from tandem.transport.pacing import announce, drop_reason, publishes_at, version_base
 from tandem.types import GROUP_TIMINGS, Group
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,6 @@ STARVED_AFTER_S = 5.0  # waiting this long for groups makes samplers at their qu
 SYNC_STATE_FILE = "sync_state.json"
 FINISH_LINGER_S = 60.0  # a finished trainer waits at most this long for samplers to hear it
 KEEP_ALIVE_S = 60.0  # a distributed trainer's rank 0 tells the others it still waits this often
-MAX_TAKES_ANNOUNCED = 256  # sync_every far above the steps per batch could ask for many
 
 
 class LocalExperience:
@@ -86,13 +86,6 @@ class LocalExperience:
         pass
 
 
-def publishes_at(cfg, step: int) -> bool:
-    """Whether optimizer step `step` ends with a weight publish to the samplers (decoupled runs,
-    every pipeline.sync_every steps). Every rank can tell, so under ZeRO-3 the ranks gather the
-    full parameters only for the steps that publish, not after every step."""
-    return cfg.pipeline.mode == "decoupled" and step % cfg.pipeline.sync_every == 0
-
-
 @torch.no_grad()
 def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """Copy the trained weights into the rollout copy (casting to its dtype); no-op when shared."""
@@ -126,13 +119,7 @@ class RemoteExperience:
     def _open(self, cfg: Config, run_dir: Path, policy: torch.nn.Module) -> None:
         from tandem.transport.auth import start_server_auth
         from tandem.transport.channel import GroupReceiver
-        from tandem.transport.weights import (
-            FsWeightWriter,
-            SnapshotBuffers,
-            WeightServer,
-            new_run_id,
-            shared_prefix,
-        )
+        from tandem.transport.weights import new_run_id, weight_publisher
 
         p = cfg.pipeline
         self.auth = None
@@ -146,18 +133,7 @@ class RemoteExperience:
             curve=p.curve,
             auth=self.auth,
         )
-        if p.sync_method == "zmq":
-            address = f"tcp://{p.bind_host}:{p.sync_port}"
-            self.publisher = WeightServer(
-                address, run_id=self.run_id, context=self.context, curve=p.curve, auth=self.auth
-            )
-        else:
-            root = Path(p.sync_dir) if p.sync_dir else run_dir / "weights"
-            self.publisher = FsWeightWriter(root, run_id=self.run_id, keep=p.sync_keep_versions)
-        # zmq: snapshots in /dev/shm files, lent to samplers on this host instead of sent
-        self._buffers = SnapshotBuffers(
-            shared_prefix=shared_prefix(self.run_id) if p.sync_method == "zmq" else None
-        )
+        self.publisher = weight_publisher(p, run_dir, self.run_id, self.context, self.auth)
         self.version = _next_version(run_dir)
         self.dropped: Counter[str] = Counter()
         self.batches = 0  # batches of groups taken by this trainer process
@@ -168,7 +144,7 @@ class RemoteExperience:
             self.run_id,
             p.bind_host,
             p.data_port,
-            f"tcp://{p.bind_host}:{p.sync_port}" if p.sync_method == "zmq" else f"files in {root}",
+            self.publisher.where,
             self.version,
         )
 
@@ -176,20 +152,16 @@ class RemoteExperience:
         """Publish the policy's weights as `self.version`; returns the seconds it took. The version
         and what it holds (tensor names, bytes) are recorded in RUN/sync_state.json."""
         start = time.perf_counter()
-        snapshot = self._buffers.snapshot(
+        manifest = self.publisher.publish_version(
             sync_tensors(policy, self.cfg.model.lora.sync),
-            publisher=self.publisher,
             version=self.version,
-            run_id=self.run_id,
             dtype=self.cfg.pipeline.sync_dtype,
-            hashed=False,  # hashed by the publisher when a reader needs it (a lent snapshot never does)
         )
-        self.publisher.publish(snapshot)
-        self.published_bytes = snapshot.manifest.total_bytes
+        self.published_bytes = manifest.total_bytes
         state = {
             "version": self.version,
-            "total_bytes": snapshot.manifest.total_bytes,
-            "tensors": [t.name for t in snapshot.manifest.tensors],  # LoRA sync=adapter: the adapters only
+            "total_bytes": manifest.total_bytes,
+            "tensors": [t.name for t in manifest.tensors],  # LoRA sync=adapter: the adapters only
         }
         atomic_write_text(self.run_dir / SYNC_STATE_FILE, json.dumps(state), fsync=False)
         return time.perf_counter() - start
@@ -199,7 +171,7 @@ class RemoteExperience:
         optimizer steps (0 before the first), each later one for `steps_per_batch`. A sampler paces
         itself by this (`Sampler.remaining`), so it makes only groups that will still be fresh
         when they are taken, however many versions a batch spans."""
-        base = self.version - step // self.cfg.pipeline.sync_every  # version = base + step // sync_every
+        base = version_base(self.version, step, self.cfg.pipeline.sync_every)
         self._schedule = (base, step + steps, max(1, steps_per_batch))
         self._announce()
 
@@ -207,27 +179,18 @@ class RemoteExperience:
         """Publish the versions at which batches `self.batches`, +1, ... will be taken, as far as
         a sampler holding our newest version could make groups for (staleness included)."""
         p = self.cfg.pipeline
-        base, take_step, steps_per_batch = self._schedule
-        horizon = self.version + p.max_staleness + 1
-        takes: list[int] = []
-        while len(takes) < MAX_TAKES_ANNOUNCED:
-            version = base + take_step // p.sync_every
-            if takes and version > horizon:
-                break
-            takes.append(version)
-            take_step += steps_per_batch
-        self.publisher.set_status(batches=self.batches, take_versions=tuple(takes))
+        takes = announce(
+            *self._schedule, version=self.version, sync_every=p.sync_every, max_staleness=p.max_staleness
+        )
+        self.publisher.set_status(batches=self.batches, take_versions=takes)
 
     def on_step(self, policy: torch.nn.Module, step: int) -> dict:
-        if not publishes_at(self.cfg, step):
+        if not publishes_at(step, self.cfg.pipeline.sync_every):
             return {}
         self.version += 1
         self._announce()  # before the new version is visible: its pacing horizon comes first
         stats = {"sync_seconds": self.publish(policy), "sync_megabytes": self.published_bytes / 1e6}
-        served = getattr(self.publisher, "served", None)
-        if served is not None:  # zmq: versions lent as shared files (same host) vs. sent as chunks
-            stats.update(weights_lent=served["shared"], weights_sent=served["fetch"])
-        return stats
+        return {**stats, **self.publisher.stats()}  # zmq: versions lent (same host) and sent as chunks
 
     def next_groups(
         self, num_groups: int, keep_alive: Callable[[], None] | None = None
@@ -259,11 +222,9 @@ class RemoteExperience:
                     raise TimeoutError(self._no_data_message(now - last_arrival, len(groups), num_groups))
                 continue
             last_arrival = now
-            age = self.version - group.policy_version
-            if age < 0:
-                dropped["future"] += 1  # made by weights of a trainer run that was lost
-            elif age > p.max_staleness:
-                dropped["stale"] += 1
+            reason = drop_reason(self.version, group.policy_version, p.max_staleness)
+            if reason is not None:
+                dropped[reason] += 1  # stale, or "future": made by weights of a trainer run that was lost
             else:
                 groups.append(group)
         if starved:
@@ -318,7 +279,6 @@ class RemoteExperience:
             while self.publisher.untold() and time.monotonic() < deadline:
                 time.sleep(0.1)
         self.publisher.close()
-        self._buffers.close()
         self.receiver.close()
         if self.auth is not None:
             self.auth.stop()

@@ -36,8 +36,9 @@ from tandem.trainer.batching import (
     split_across_ranks,
     split_micro_batches,
 )
-from tandem.trainer.experience import LocalExperience, RemoteExperience, publishes_at
+from tandem.trainer.experience import LocalExperience, RemoteExperience
 from tandem.trainer.metrics import MetricsLogger, write_samples
+from tandem.transport.pacing import publishes_at
 from tandem.types import Group
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,8 @@ def publish(experience, engine, cfg: Config, step: int, groups: list[Group]) -> 
     """After optimizer step `step`: rank 0 hands the new weights to the experience (published to the
     samplers on sync steps); returns the step's staleness and sync statistics (empty elsewhere)."""
     # ZeRO-3: every rank gathers the full parameters, so only for a step that publishes
-    with engine.gathered() if publishes_at(cfg, step) else contextlib.nullcontext():
+    publishes = publishes_at(step, cfg.pipeline.sync_every, decoupled=cfg.pipeline.mode == "decoupled")
+    with engine.gathered() if publishes else contextlib.nullcontext():
         if experience is None:
             return {}
         # versions between the weights that sampled this batch and the ones updated now

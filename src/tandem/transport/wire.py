@@ -23,6 +23,8 @@ leaves it out and still decodes. Control messages (`encode_control`) are a singl
 Weights travel on the sync channel as one message per chunk of a flat buffer (`encode_weights_chunk`):
 frame 0 a header {schema, kind: "weights", request, index, count, offset, nbytes, hash, manifest}
 (the manifest, the list of tensors and chunks, rides only in chunk 0), frame 1 the chunk's raw bytes.
+The trainer's status (`status_to_json`: exactly its keys, each of its type) is the payload of a
+`status` control message (plus the request id) and the content of the fs method's status.json.
 
 Why no pickle: unpickling runs code chosen by the sender, so anyone who can reach a port that
 unpickles owns the process. Decoding here only parses JSON and copies raw numbers; every field
@@ -41,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.types import GROUP_TIMINGS, Completion, Group, TensorSpec, WeightsManifest
+from tandem.types import GROUP_TIMINGS, Completion, Group, TensorSpec, TrainerStatus, WeightsManifest
 
 SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -71,6 +73,8 @@ _CHUNK_KEYS = frozenset(
 )
 _MANIFEST_KEYS = frozenset({"version", "run_id", "total_bytes", "tensors", "chunks"})
 _TENSOR_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes"})
+_STATUS_KEYS = frozenset({"version", "run_id", "starved", "finished", "batches", "take_versions"})
+MAX_TAKE_VERSIONS = 1024  # a trainer announces at most 256 (pacing.MAX_TAKES_ANNOUNCED)
 WEIGHT_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # name -> itemsize
 
 # the `reason` classes of WireError, for counting dropped messages
@@ -645,14 +649,38 @@ def decode_weights_header(frame: Any, *, max_bytes: int) -> dict:
     return header
 
 
-def decode_weights_chunk(frames: Sequence[Any], *, max_bytes: int) -> tuple[dict, memoryview]:
-    """Both frames of a weights chunk -> (header, the chunk's bytes as a view)."""
-    views = _byte_views(frames, max_bytes)
-    if len(views) != 2:
-        raise WireError(f"a weights chunk has 2 frames, got {len(views)}", "frames")
-    header = decode_weights_header(views[0], max_bytes=max_bytes)
-    if header["nbytes"] != len(views[1]):
-        raise WireError(
-            f"weights chunk declares {header['nbytes']} bytes, frame has {len(views[1])}", "frames"
-        )
-    return header, views[1]
+# ----------------------------------------------------------------------------- trainer status
+
+
+def status_to_json(status: TrainerStatus) -> dict:
+    """The trainer's status as samplers see it (a zmq `status` reply's payload, the fs status.json)."""
+    return {
+        "version": status.version,
+        "run_id": status.run_id,
+        "starved": status.starved,
+        "finished": status.finished,
+        "batches": status.batches,
+        "take_versions": list(status.take_versions),
+    }
+
+
+def status_from_json(obj: Any) -> TrainerStatus:
+    """Validate a trainer status: exactly the keys of `status_to_json`, each of its type; WireError."""
+    if not isinstance(obj, dict):
+        raise WireError(f"trainer status must be an object, got {_type(obj)}")
+    _check_keys(obj, _STATUS_KEYS, "trainer status")
+    version, batches, takes = obj["version"], obj["batches"], obj["take_versions"]
+    if not _is_int(version) or version < -1:
+        raise WireError(f"trainer status version must be an int >= -1, got {_short(version)}")
+    if not _is_int(batches) or batches < 0:
+        raise WireError(f"trainer status batches must be an int >= 0, got {_short(batches)}")
+    if not isinstance(takes, list) or len(takes) > MAX_TAKE_VERSIONS or not all(_is_int(v) for v in takes):
+        raise WireError(f"trainer status take_versions must be a list of at most {MAX_TAKE_VERSIONS} ints")
+    return TrainerStatus(
+        version=version,
+        run_id=_check_str(obj["run_id"], "trainer status run_id"),
+        starved=_check_bool(obj["starved"], "trainer status starved"),
+        finished=_check_bool(obj["finished"], "trainer status finished"),
+        batches=batches,
+        take_versions=tuple(takes),
+    )
