@@ -318,6 +318,49 @@ def test_hostile_messages_to_a_live_trainer_are_dropped_and_counted(make_run, tm
     assert "dropped" in run.log("trainer")
 
 
+def test_well_formed_but_harmful_groups_are_rejected_by_reason_and_training_goes_on(make_run):
+    """The hostile-peer report's single messages that each stopped a trainer, sent at the current
+    policy version before the real sampler's groups: each is rejected with its reason, counted in
+    the metrics, and the run trains its 4 steps; no sender-chosen id becomes a metrics key."""
+    import dataclasses
+
+    from tandem.transport.channel import GroupSender
+    from unit.test_admission import HOSTILE
+
+    G3 = ("sampling.num_generations=3", "training.micro_batch_size=3")  # the HOSTILE groups have 3
+    run = make_run("semantic", "training.max_steps=4", *G3)
+    trainer = run.trainer()
+    run.wait_for(lambda: "waiting for samplers" in run.log("trainer"), "the trainer to bind")
+    names = [
+        "token id 2**31-1",
+        "empty completions",
+        "reward_info keys differ",
+        "advantage 1e300",
+        "sampler_id of 524,300 chars",
+        "positive log-prob",
+    ]
+    with GroupSender(f"tcp://127.0.0.1:{run.data_port}") as sender:
+        for name in names:
+            group, _ = HOSTILE[name]
+            sender.send(dataclasses.replace(group, policy_version=0))
+        sampler = run.sampler()
+        finish(run, trainer, {"s0": sampler})
+    rows = run.rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    last = rows[-1]
+    assert last["groups_rejected"] == len(names)
+    assert {k: v for k, v in last.items() if k.startswith("groups_rejected_")} == {
+        "groups_rejected_group_size": 1,
+        "groups_rejected_logprob": 1,
+        "groups_rejected_non_finite": 1,
+        "groups_rejected_reward_info": 1,
+        "groups_rejected_sampler_id": 1,
+        "groups_rejected_token_id": 1,
+    }
+    assert max(len(k) for row in rows for k in row) < 64
+    assert all(r["loss"] is not None and r["grad_norm"] is not None for r in rows)
+
+
 def test_curve_refuses_a_sampler_without_an_authorised_key(make_run, tmp_path):
     from tandem.transport.auth import keygen
 

@@ -421,6 +421,77 @@ def test_a_local_sampler_loads_a_lent_snapshot_without_bytes_sent(tiny_model_dir
         assert not Path(path).exists() or "tandem-a1b2c3" not in os.readlink(path)
 
 
+def _outward_ip() -> str | None:
+    """An address of this machine that is not loopback (a TCP peer using it looks like another host)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET: nothing is sent, the route picks our address
+            ip = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+@pytest.mark.skipif(
+    shared_prefix("ab") is None or _outward_ip() is None, reason="no /dev/shm or no network address"
+)
+def test_the_same_host_snapshot_is_never_lent_to_a_peer_on_another_address(tiny_model_dir):
+    """A peer that reaches the trainer over a non-loopback address asks for the memory-file
+    snapshot: it gets the chunks instead (nothing pinned for LEASE_S), and the refusal is counted."""
+    trainer, sampler = model_pair(tiny_model_dir)
+    address = f"tcp://{_outward_ip()}:{free_tcp_port()}"
+    server, client = WeightServer(address, run_id="f0f1f2"), WeightClient(address)
+    buffers = SnapshotBuffers(shared_prefix=shared_prefix("f0f1f2"))
+    try:
+        snap = buffers.snapshot(trainer.named_parameters(), publisher=server, version=0, run_id="f0f1f2")
+        assert snap.path is not None
+        server.publish(snap)
+        manifest, flat = client.fetch(shared=True)
+        load_weights(sampler, flat, manifest)
+        assert same_params(trainer, sampler) and client.lease_until is None
+        assert server.served["shared"] == 0 and server.served["fetch"] == 1
+        assert server.served["lend_refused"] == 1 and not server.busy(
+            buffers.snapshot(trainer.named_parameters(), publisher=server, version=1, run_id="f0f1f2").flat
+        )
+    finally:
+        client.close()
+        server.close()
+        buffers.close()
+
+
+def test_malformed_weight_requests_are_dropped_counted_and_logged_at_a_bounded_rate(caplog):
+    """12k bad requests (a lone surrogate request id among them, which once cost a traceback each)
+    leave a handful of warning lines, the count in stats(), and a server that still answers."""
+    import logging
+
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    server, client = WeightServer(address, run_id="b0b1b2"), WeightClient(address)
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(address)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tandem.transport.weights.zmq_server"):
+            for _ in range(4000):
+                dealer.send(b"not json")
+                dealer.send(b'{"schema": 1, "kind": "status", "request": "\\ud800"}')
+                dealer.send(encode_control("status", {"request": "r" * 1000})[0])
+            deadline = time.monotonic() + 30
+            while server.stats()["weight_requests_dropped"] < 12_000 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            status = client.status(timeout_s=10)
+        assert status.run_id == "b0b1b2"
+        assert server.stats()["weight_requests_dropped"] == 12_000
+        assert len(caplog.records) <= 6 and not any(r.exc_info for r in caplog.records)
+    finally:
+        dealer.close()
+        context.term()
+        client.close()
+        server.close()
+
+
 @pytest.mark.skipif(shared_prefix("ab") is None, reason="no /dev/shm")
 def test_a_lease_that_ran_out_is_noticed_and_frees_the_buffer(tiny_model_dir, monkeypatch):
     from tandem.transport.weights import zmq_server

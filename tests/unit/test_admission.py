@@ -139,3 +139,25 @@ def test_random_mutations_never_raise():
             )
         verdict = check_group(group, LIMITS)
         assert verdict is None or verdict[0] in REASONS
+
+
+@pytest.mark.parametrize(
+    ("bind_host", "curve", "warns"),
+    [
+        ("*", {}, True),
+        ("0.0.0.0", {}, True),
+        ("10.1.2.3", {}, True),
+        ("127.0.0.1", {}, False),
+        ("localhost", {}, False),
+        ("::1", {}, False),
+        ("*", {"server_secret_key": "keys/trainer.key_secret"}, False),
+    ],
+)
+def test_binding_beyond_loopback_without_keys_warns_with_the_fix(bind_host, curve, warns):
+    from tandem.config import CurveConfig
+    from tandem.transport.auth import open_to_strangers
+
+    warning = open_to_strangers(bind_host, CurveConfig(**curve))
+    assert (warning is not None) == warns
+    if warns:
+        assert "tandem keygen" in warning and "pipeline.curve" in warning and "pipeline.bind_host" in warning

@@ -24,6 +24,7 @@ from tandem.config import Config
 from tandem.data.stream import PromptStream
 from tandem.models.lora import sync_tensors
 from tandem.sampler.rollout import Rollout
+from tandem.transport.admission import GroupLimits
 from tandem.transport.pacing import announce, drop_reason, publishes_at, version_base
 from tandem.types import GROUP_TIMINGS, Group
 
@@ -117,7 +118,7 @@ class RemoteExperience:
             raise
 
     def _open(self, cfg: Config, run_dir: Path, policy: torch.nn.Module) -> None:
-        from tandem.transport.auth import start_server_auth
+        from tandem.transport.auth import open_to_strangers, start_server_auth
         from tandem.transport.channel import GroupReceiver
         from tandem.transport.weights import new_run_id, weight_publisher
 
@@ -132,6 +133,7 @@ class RemoteExperience:
             context=self.context,
             curve=p.curve,
             auth=self.auth,
+            limits=group_limits(cfg, policy),
         )
         self.publisher = weight_publisher(p, run_dir, self.run_id, self.context, self.auth)
         self.version = _next_version(run_dir)
@@ -139,6 +141,8 @@ class RemoteExperience:
         self.batches = 0  # batches of groups taken by this trainer process
         self._schedule = (0, 0, 1)  # (version at step 0, step of the next take, steps per batch)
         self.publish(policy)
+        if warning := open_to_strangers(p.bind_host, p.curve):
+            log.warning(warning)
         log.info(
             "trainer %s: groups on tcp://%s:%d, weights by %s (version %d); waiting for samplers",
             self.run_id,
@@ -257,6 +261,9 @@ class RemoteExperience:
             "groups_dropped_stale": dropped["stale"],
             "groups_dropped_future": dropped["future"],
             "messages_dropped": sum(self.receiver.dropped.values()),
+            # well-formed groups this run cannot train on (transport/admission.py), by reason
+            "groups_rejected": sum(self.receiver.rejected.values()),
+            **{f"groups_rejected_{reason}": n for reason, n in sorted(self.receiver.rejected.items())},
         }
         for sampler_id, count in self.receiver.received.items():
             stats[f"groups_from_{sampler_id}"] = count
@@ -283,6 +290,18 @@ class RemoteExperience:
         if self.auth is not None:
             self.auth.stop()
         self.context.term()
+
+
+def group_limits(cfg: Config, policy: torch.nn.Module) -> GroupLimits:
+    """What a group must respect to be trained on: the policy's vocabulary and context, the run's
+    group size and completion length."""
+    config = policy.config
+    return GroupLimits(
+        vocab_size=int(config.vocab_size),
+        num_generations=cfg.sampling.num_generations,
+        max_new_tokens=cfg.sampling.max_new_tokens,
+        max_positions=int(getattr(config, "max_position_embeddings", None) or 2**20),
+    )
 
 
 def _next_version(run_dir: Path) -> int:

@@ -220,6 +220,24 @@ class CountingAuthenticator(ThreadAuthenticator):
         super().stop()
 
 
+def open_to_strangers(bind_host: str, curve: CurveConfig) -> str | None:
+    """A warning when the trainer's ports take any peer that can reach this interface: bound
+    beyond loopback with authentication off. None when only this host, or only key holders, can
+    send."""
+    if curve.enabled:
+        return None
+    host = bind_host.strip("[]")
+    if host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
+        return None
+    where = "every interface" if host in ("*", "0.0.0.0", "::") else host
+    return (
+        f"the trainer's ports listen on {where} without authentication: any host that can reach them "
+        "can send groups (checked and counted, never executed) and read the weights. Make keys with "
+        "`tandem keygen DIR trainer sampler` and set pipeline.curve.* (README: When to turn on CURVE), "
+        "or bind loopback only with pipeline.bind_host=127.0.0.1"
+    )
+
+
 def start_server_auth(context: zmq.Context, curve: CurveConfig) -> CountingAuthenticator | None:
     """Start the ZAP handler of the trainer's context (None when CURVE is off)."""
     if not curve.enabled:

@@ -15,12 +15,14 @@ from collections import Counter
 import zmq
 
 from tandem.config import CurveConfig
+from tandem.transport.admission import GroupLimits, check_group
 from tandem.transport.auth import CountingAuthenticator, HandshakeWatch, configure_client, configure_server
+from tandem.transport.drops import Drops
 from tandem.transport.wire import MAX_MESSAGE_BYTES, WireError, decode_group, encode_group
 from tandem.types import Group
 
 DEFAULT_DATA_PORT = 5555
-WARN_INTERVAL_S = 5.0  # at most one warning per drop reason in this many seconds
+MAX_SAMPLER_KEYS = 64  # sampler ids counted by name in `received`; the rest count as "other"
 POLL_SLICE_S = 0.25  # a blocked sender looks at its handshakes this often
 
 logger = logging.getLogger(__name__)
@@ -153,8 +155,10 @@ class GroupReceiver:
     Messages larger than `max_bytes` per frame are refused by ZeroMQ itself (ZMQ_MAXMSGSIZE),
     which also drops that peer's connection; anything else that fails `decode_group` is dropped,
     logged and counted in `dropped` by reason ("bad_header", "schema", "size", "frames",
-    "invalid"). `received` counts accepted groups per sampler_id. `recv` never raises on bad
-    input. At most `rcvhwm` groups per connected sampler wait here before senders block. With
+    "invalid"). With `limits`, a well-formed group the run cannot train on (`admission.check_group`)
+    is dropped the same way and counted in `rejected` by its reason. Warnings are rate-limited
+    (`drops.Drops`). `received` counts accepted groups per sampler_id (the first MAX_SAMPLER_KEYS
+    ids by name, later ones as "other"). `recv` never raises on bad input. At most `rcvhwm` groups per connected sampler wait here before senders block. With
     CURVE, `auth` (the context's `CountingAuthenticator`) counts the handshakes it refuses.
     """
 
@@ -167,13 +171,15 @@ class GroupReceiver:
         context: zmq.Context | None = None,
         curve: CurveConfig | None = None,
         auth: CountingAuthenticator | None = None,
+        limits: GroupLimits | None = None,
     ):
         if rcvhwm < 1:
             raise ValueError(f"rcvhwm must be >= 1 (0 would mean an unbounded queue), got {rcvhwm}")
-        self.max_bytes = max_bytes
-        self.dropped: Counter[str] = Counter()
+        self.max_bytes, self.limits = max_bytes, limits
+        self._drops, self._rejections = Drops(logger, address), Drops(logger, address)
+        self.dropped: Counter[str] = self._drops.counts  # malformed messages, by WireError reason
+        self.rejected: Counter[str] = self._rejections.counts  # well-formed groups the run cannot use
         self.received: Counter[str] = Counter()
-        self._last_warning: dict[str, float] = {}
         self._own_context = context is None
         self._context = zmq.Context(io_threads=1) if context is None else context
         self._socket = self._context.socket(zmq.PULL)
@@ -199,6 +205,7 @@ class GroupReceiver:
                 f"cannot bind to {address!r}: {err} (expected tcp://*:port or ipc://path)"
             ) from err
         self.address = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()  # resolves port 0 / '*'
+        self._drops.where = self._rejections.where = self.address
         self._closed = False
 
     def recv(self, timeout: float | None) -> Group | None:
@@ -214,24 +221,18 @@ class GroupReceiver:
                 logger.exception("decoding a message failed unexpectedly; dropped")
                 self._drop("error", repr(err))
             else:
-                self.received[group.sampler_id] += 1
-                return group
+                verdict = check_group(group, self.limits) if self.limits is not None else None
+                if verdict is None:
+                    known = group.sampler_id in self.received or len(self.received) < MAX_SAMPLER_KEYS
+                    self.received[group.sampler_id if known else "other"] += 1
+                    return group
+                self._rejections.add(verdict[0], verdict[1])
             if deadline is not None and time.monotonic() >= deadline:
                 break
         return None
 
     def _drop(self, reason: str, message: str) -> None:
-        self.dropped[reason] += 1
-        now = time.monotonic()
-        if now - self._last_warning.get(reason, float("-inf")) >= WARN_INTERVAL_S:
-            self._last_warning[reason] = now
-            logger.warning(
-                "dropped a message on %s (%s, %d so far): %s",
-                self.address,
-                reason,
-                self.dropped[reason],
-                message,
-            )
+        self._drops.add(reason, message)
 
     def close(self) -> None:
         if getattr(self, "_closed", False):

@@ -8,6 +8,7 @@ says until when the trainer leaves that buffer alone.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import tempfile
 import threading
@@ -22,6 +23,7 @@ import zmq
 
 from tandem.config import CurveConfig
 from tandem.transport.auth import CountingAuthenticator, configure_server
+from tandem.transport.drops import Drops
 from tandem.transport.weights.snapshot import Snapshot, SnapshotBuffers, is_news
 from tandem.transport.wire import (
     WireError,
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SYNC_PORT = 5556
 LEASE_S = 10.0  # how long a lent shared snapshot stays untouched (a load takes well under a second)
 MAX_REQUEST_BYTES = 64 * 2**10
+MAX_REQUEST_ID_CHARS = 128
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -130,7 +133,8 @@ class WeightServer:
         self._seen: dict[bytes, float] = {}  # sampler identity -> when it last asked something
         self._told_finished: set[bytes] = set()
         self._last_probe = 0.0
-        self.dropped: Counter[str] = Counter()
+        self._drops = Drops(log, f"the weight server {self.address}")
+        self.dropped: Counter[str] = self._drops.counts
         self.served: Counter[str] = Counter()
         self._thread = threading.Thread(target=self._serve, name="tandem-weight-server", daemon=True)
         self._thread.start()
@@ -152,8 +156,14 @@ class WeightServer:
         return snapshot.manifest
 
     def stats(self) -> dict[str, int]:
-        """Versions lent as shared files (same host) and sent as chunks, so far."""
-        return {"weights_lent": self.served["shared"], "weights_sent": self.served["fetch"]}
+        """Versions lent as shared files (same host) and sent as chunks, and requests dropped
+        (malformed, or a lend asked for from another host), so far."""
+        dropped = sum(n for reason, n in self.dropped.items() if reason != "unroutable")
+        return {
+            "weights_lent": self.served["shared"],
+            "weights_sent": self.served["fetch"],
+            "weight_requests_dropped": dropped,
+        }
 
     def publish(self, snapshot: Snapshot) -> None:
         with self._lock:
@@ -217,30 +227,29 @@ class WeightServer:
                     try:
                         if request is not None:
                             waiters += self._handle(*request)
-                    except Exception:  # a bug here must not stop weight sync for every sampler
-                        self.dropped["error"] += 1
-                        log.exception("weight server failed on a request; dropped it")
+                    except Exception as err:  # a bug here must not stop weight sync for every sampler
+                        self._drops.add("error", repr(err)[:200])
                 waiters = self._answer_waiters(waiters)
         finally:
             self._router.close()
             self._wake_in.close()
 
-    def _receive(self) -> tuple[bytes, str, dict] | None:
+    def _receive(self) -> tuple[bytes, str, dict, bool] | None:
         frames = self._router.recv_multipart(copy=False)
         identity, body = frames[0].bytes, frames[1:]
         try:
             kind, payload = decode_control(body, max_bytes=MAX_REQUEST_BYTES)
-            if kind not in ("status", "fetch", "release") or not isinstance(payload.get("request"), str):
-                raise WireError(f"unknown request {kind!r}")
+            if kind not in ("status", "fetch", "release"):
+                raise WireError(f"unknown request {kind[:40]!r}")
+            _check_request_id(payload.get("request"))
         except WireError as err:
-            self.dropped[err.reason] += 1
-            log.warning("weight server dropped a request (%d so far): %s", sum(self.dropped.values()), err)
+            self._drops.add(err.reason, str(err))
             return None
         with self._lock:
             self._seen[identity] = time.monotonic()
-        return identity, kind, payload
+        return identity, kind, payload, _same_host(body[0] if body else None)
 
-    def _handle(self, identity: bytes, kind: str, payload: dict) -> list:
+    def _handle(self, identity: bytes, kind: str, payload: dict, same_host: bool) -> list:
         request = payload["request"]
         if kind == "release":  # a borrower finished loading: its leased buffers may be reused
             with self._lock:
@@ -251,9 +260,11 @@ class WeightServer:
         if kind == "fetch":
             if snapshot is None:
                 self._reply(identity, request, status)
-            elif payload.get("shared") is True and snapshot.path is not None:
+            elif payload.get("shared") is True and snapshot.path is not None and same_host:
                 self._lend_snapshot(identity, request, snapshot)
             else:
+                if payload.get("shared") is True and not same_host:  # the memory file is this host's
+                    self.served["lend_refused"] += 1  # to a peer elsewhere: chunks, no lease to pin
                 self._send_snapshot(identity, request, snapshot)
             return []
         newer_than, run_id = payload.get("newer_than"), payload.get("run_id")
@@ -342,3 +353,30 @@ class WeightServer:
                 return
             with self._lock:
                 self._in_flight.append((address, tracker))
+
+
+def _check_request_id(request: object) -> None:
+    """A request id is echoed in the reply: a short str that UTF-8 can carry."""
+    if not isinstance(request, str) or len(request) > MAX_REQUEST_ID_CHARS:
+        raise WireError(
+            f"request id must be a str of at most {MAX_REQUEST_ID_CHARS} characters", "bad_request"
+        )
+    try:
+        request.encode("utf-8")
+    except UnicodeEncodeError:
+        raise WireError("request id is not valid UTF-8 (a lone surrogate)", "bad_request") from None
+
+
+def _same_host(frame: zmq.Frame | None) -> bool:
+    """Whether a request came from this host: over the ipc twin (a Unix socket) or loopback TCP.
+    ZeroMQ reports the sender's address as the frame's Peer-Address (an IP for TCP)."""
+    if frame is None:
+        return False
+    try:
+        peer = frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError):
+        return False
+    try:
+        return ipaddress.ip_address(peer.removeprefix("::ffff:")).is_loopback
+    except ValueError:  # not an IP: a Unix socket, which only this host can reach
+        return bool(peer)
