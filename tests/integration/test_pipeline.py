@@ -263,15 +263,31 @@ def test_trainer_killed_and_restarted_resumes_and_the_sampler_reconnects(make_ru
     assert len(run.rows()) < 24, "the trainer finished before it could be killed"
     resume_step = max(checkpointed())
     version_before = json.loads((run.dir / "sync_state.json").read_text())["version"]
+    state = json.loads((run.dir / "checkpoints" / f"step-{resume_step}" / "trainer_state.json").read_text())
+    checkpoint_version = state["experience"]["policy_version"]
     restarted = run.trainer("training.resume_from_checkpoint=latest")
+    # a group made by weights published after the checkpoint, as a sampler could still have queued
+    discarded = version_before if checkpoint_version < version_before else None
+    if discarded is not None:
+        from tandem.transport.channel import GroupSender
+        from unit.test_admission import sound_group
+
+        group = sound_group(policy_version=discarded)
+        group.completions.append(group.completions[0])  # the run's G is 4
+        # linger: delivered once the restarted trainer binds, however long its start takes
+        with GroupSender(f"tcp://127.0.0.1:{run.data_port}", linger=WAIT_S) as sender:
+            sender.send(group)
     finish(run, restarted, {"s0": sampler})
     rows = run.rows()
     # rows logged after the checkpoint were dropped on resume: every step appears once
     assert [r["step"] for r in rows] == list(range(1, 25))
     after = rows[resume_step:]
     # versions never repeat: the restarted trainer publishes after the last one it published
-    assert min(r["policy_version"] for r in after) >= version_before - 1
     assert max(r["policy_version"] for r in after) > version_before
+    # and it trains on no group made by weights published after its checkpoint (its resume threw
+    # those away): each such group is dropped as discarded, whatever its apparent staleness
+    assert not [r["step"] for r in after if checkpoint_version < r["policy_version"] <= version_before]
+    assert sum(r["groups_dropped_discarded"] for r in after) >= (discarded is not None)
     assert run.log("s0").count("trainer run ") == 2  # the same sampler process followed the new trainer
 
 

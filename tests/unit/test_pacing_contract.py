@@ -17,6 +17,7 @@ import pytest
 
 from tandem.transport.pacing import (
     MAX_TAKES_ANNOUNCED,
+    age,
     announce,
     batch_share,
     drop_reason,
@@ -135,3 +136,17 @@ def test_an_announcement_holds_the_next_take_and_every_one_a_fresh_group_could_r
 def test_weights_are_published_every_sync_every_steps_of_a_decoupled_run_only():
     assert [s for s in range(1, 10) if publishes_at(s, 3)] == [3, 6, 9]
     assert not any(publishes_at(s, 1, decoupled=False) for s in range(1, 5))
+
+
+def test_after_a_resume_groups_of_discarded_weights_are_dropped_and_older_ones_aged_by_lineage():
+    """A trainer checkpointed at version 4, killed after publishing 5 and 6, restarts publishing 7
+    (holding the checkpoint's weights). Versions 5 and 6 are of weights it threw away; a group of
+    version 4 is as old as one of version 7, a group of version 3 one version older."""
+    resumed = (4, 7)
+    assert [drop_reason(7, v, 1, resumed) for v in (5, 6)] == ["discarded", "discarded"]
+    assert [age(7, v, resumed) for v in (4, 3, 7)] == [0, 1, 0]
+    assert drop_reason(7, 3, 1, resumed) is None and drop_reason(7, 2, 1, resumed) == "stale"
+    assert drop_reason(8, 3, 1, resumed) == "stale" and drop_reason(8, 7, 1, resumed) is None
+    assert drop_reason(7, 8, 1, resumed) == "future"
+    # without the lineage (the bug): version 6 would look one version old to a trainer at 7
+    assert drop_reason(7, 6, 1) is None

@@ -25,7 +25,7 @@ from tandem.data.stream import PromptStream
 from tandem.models.lora import sync_tensors
 from tandem.sampler.rollout import Rollout
 from tandem.transport.admission import GroupLimits
-from tandem.transport.pacing import announce, drop_reason, publishes_at, version_base
+from tandem.transport.pacing import age, announce, drop_reason, publishes_at, version_base
 from tandem.types import GROUP_TIMINGS, Group
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,9 @@ class LocalExperience:
 
     def expect(self, step: int, steps: int, steps_per_batch: int) -> None:
         pass  # no sampler to pace
+
+    def age(self, group: Group) -> int:
+        return self.version - group.policy_version
 
     def on_step(self, policy: torch.nn.Module, step: int) -> dict:
         self.version += 1  # one version per optimizer step, as a decoupled trainer with sync_every 1
@@ -136,7 +139,8 @@ class RemoteExperience:
             limits=group_limits(cfg, policy),
         )
         self.publisher = weight_publisher(p, run_dir, self.run_id, self.context, self.auth)
-        self.version = _next_version(run_dir)
+        self.version = self.first_version = _next_version(run_dir)
+        self.resumed: tuple[int, int] | None = None  # (checkpoint's version, our first): load_state_dict
         self.dropped: Counter[str] = Counter()
         self.batches = 0  # batches of groups taken by this trainer process
         self._schedule = (0, 0, 1)  # (version at step 0, step of the next take, steps per batch)
@@ -226,9 +230,9 @@ class RemoteExperience:
                     raise TimeoutError(self._no_data_message(now - last_arrival, len(groups), num_groups))
                 continue
             last_arrival = now
-            reason = drop_reason(self.version, group.policy_version, p.max_staleness)
+            reason = drop_reason(self.version, group.policy_version, p.max_staleness, self.resumed)
             if reason is not None:
-                dropped[reason] += 1  # stale, or "future": made by weights of a trainer run that was lost
+                dropped[reason] += 1  # stale, discarded by our resume, or from a run that was lost
             else:
                 groups.append(group)
         if starved:
@@ -260,6 +264,7 @@ class RemoteExperience:
             "wait_seconds": waited,
             "groups_dropped_stale": dropped["stale"],
             "groups_dropped_future": dropped["future"],
+            "groups_dropped_discarded": dropped["discarded"],
             "messages_dropped": sum(self.receiver.dropped.values()),
             # well-formed groups this run cannot train on (transport/admission.py), by reason
             "groups_rejected": sum(self.receiver.rejected.values()),
@@ -274,8 +279,23 @@ class RemoteExperience:
     def state_dict(self) -> dict:
         return {"policy_version": self.version}
 
+    def age(self, group: Group) -> int:
+        """Versions behind ours, counted along the lineage this trainer continues (pacing.age)."""
+        behind = age(self.version, group.policy_version, self.resumed)
+        return behind if behind is not None else self.version - group.policy_version
+
     def load_state_dict(self, state: dict) -> None:
-        pass  # the version comes from sync_state.json: it must stay ahead of every published one
+        """Our version comes from sync_state.json (it must stay ahead of every published one); the
+        checkpoint's says which published weights the resume threw away."""
+        if "policy_version" in state and int(state["policy_version"]) < self.first_version:
+            self.resumed = (int(state["policy_version"]), self.first_version)
+        if self.resumed is not None and self.resumed[0] + 1 < self.first_version:
+            log.info(
+                "resumed at version %d: groups made by versions %d..%d (weights after the checkpoint) are dropped",
+                self.first_version,
+                self.resumed[0] + 1,
+                self.first_version - 1,
+            )
 
     def close(self, *, finished: bool) -> None:
         if finished:

@@ -195,7 +195,7 @@ def publish(experience, engine, cfg: Config, step: int, groups: list[Group]) -> 
         if experience is None:
             return {}
         # versions between the weights that sampled this batch and the ones updated now
-        staleness = statistics.fmean(experience.version - g.policy_version for g in groups)
+        staleness = statistics.fmean(experience.age(g) for g in groups)
         return {"staleness_mean": staleness, **experience.on_step(engine.module, step)}
 
 

@@ -62,13 +62,34 @@ def groups_allowed(
     return share * (status.batches - first_batch + sum(v <= fresh_until for v in status.take_versions))
 
 
-def drop_reason(version: int, policy_version: int, max_staleness: int) -> str | None:
-    """Why a trainer holding `version` drops a group made by `policy_version`: "future" (made by
-    weights of a trainer run that was lost), "stale" (more than `max_staleness` versions old), or
-    None: it trains on it."""
-    age = version - policy_version
-    if age < 0:
+def age(version: int, policy_version: int, resumed: tuple[int, int] | None = None) -> int | None:
+    """How many versions a group made by `policy_version` is behind a trainer holding `version`.
+
+    A resumed trainer (`resumed` = (version of its checkpoint, first version it published)) threw
+    away the weights published after its checkpoint: a group made by one of those is of no lineage
+    the trainer continues (None), and a group made before the checkpoint is as old as its distance
+    to the checkpoint plus the versions published since the restart (the first of which holds the
+    checkpoint's weights)."""
+    if resumed is not None:
+        checkpoint, first = resumed
+        if checkpoint < policy_version < first:
+            return None
+        if policy_version <= checkpoint:
+            return (version - first) + (checkpoint - policy_version)
+    return version - policy_version
+
+
+def drop_reason(
+    version: int, policy_version: int, max_staleness: int, resumed: tuple[int, int] | None = None
+) -> str | None:
+    """Why a trainer holding `version` drops a group made by `policy_version`: "discarded" (made by
+    weights a resume threw away, see `age`), "future" (made by weights of a trainer run that was
+    lost), "stale" (more than `max_staleness` versions old), or None: it trains on it."""
+    behind = age(version, policy_version, resumed)
+    if behind is None:
+        return "discarded"
+    if behind < 0:
         return "future"
-    if age > max_staleness:
+    if behind > max_staleness:
         return "stale"
     return None
