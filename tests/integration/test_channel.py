@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -208,3 +209,34 @@ def test_bad_addresses_and_options(closing):
         GroupSender(sndhwm=0)
     receiver = closing(GroupReceiver("tcp://127.0.0.1:*"))  # any free port; the real one is reported
     assert receiver.address.startswith("tcp://127.0.0.1:") and not receiver.address.endswith("*")
+
+
+def test_a_message_of_200k_empty_parts_is_dropped_without_holding_them(context, closing):
+    """The receiver reads parts one by one and lets go of those past the group's frame cap
+    (2 + 3 x G): the message is dropped as "frames", the next group still arrives."""
+    from tandem.transport.admission import GroupLimits
+
+    limits = GroupLimits(vocab_size=1000, num_generations=2, max_new_tokens=64, max_positions=2**16)
+    receiver = closing(GroupReceiver("tcp://127.0.0.1:0", context=context, limits=limits))
+    raw = closing(context.socket(zmq.PUSH))
+    raw.connect(receiver.address)
+    raw.send_multipart([b"{}"] + [b""] * 199_999)
+    assert receiver.recv(timeout=RECV_TIMEOUT_S) is None  # read, dropped, never returned
+    sender = closing(GroupSender(receiver.address, context=context))
+    sender.send(make_group("after"))
+    got = receiver.recv(timeout=RECV_TIMEOUT_S)
+    assert got is not None and got.group_id == "after"
+    assert receiver.dropped["frames"] == 1
+
+
+def test_an_oversize_frame_closes_its_connection_and_is_counted(context, closing):
+    """ZeroMQ drops a frame over max_bytes together with the connection, before tandem sees it; the
+    receiver's socket monitor counts and logs the closed connection."""
+    receiver = closing(GroupReceiver("tcp://127.0.0.1:0", context=context, max_bytes=4096))
+    raw = closing(context.socket(zmq.PUSH))
+    raw.connect(receiver.address)
+    raw.send(b"x" * 100_000)
+    deadline = time.monotonic() + RECV_TIMEOUT_S
+    while receiver.connections_closed == 0 and time.monotonic() < deadline:
+        assert receiver.recv(timeout=0.1) is None
+    assert receiver.connections_closed >= 1

@@ -725,3 +725,34 @@ def test_bad_timings_are_rejected(timings, match):
     assert err.value.reason in ("invalid", "bad_header")  # NaN is not JSON: refused as a header
     with pytest.raises(WireError, match=match):
         encode_group(dataclasses.replace(make_group(), timings=timings))
+
+
+def _bomb_header(body: str) -> bytes:
+    """A group header whose metadata is `body` (a JSON value), otherwise well-formed."""
+    header = json.loads(bytes(encode_group(make_group())[0]))
+    text = json.dumps(header)
+    return text.replace('"metadata": ' + json.dumps(header["metadata"]), '"metadata": ' + body).encode()
+
+
+def test_a_header_of_many_empty_objects_is_refused_before_it_is_all_parsed():
+    """The report's bomb (a header of empty objects within the 64 MB cap: 1.5 GB and 3.5 s to parse)
+    stops at the object budget or the header cap, whichever comes first."""
+    frames = [bytes(f) for f in encode_group(make_group())]
+    few_arrays = sum(len(f) for f in frames[1:])
+    # within the header cap, past the object budget
+    small = _bomb_header('{"x": [' + ",".join(["{}"] * 200_000) + "]}")
+    assert len(small) < 2**20
+    with pytest.raises(WireError, match="more than .* objects") as err:
+        decode_group([small, *frames[1:]])
+    assert err.value.reason == "size"
+    # past the header cap for so few array bytes (1 MiB floor + 8 per array byte)
+    big = _bomb_header('{"x": [' + ",".join(["[]"] * 600_000) + "]}")
+    with pytest.raises(WireError, match=f"header is {len(big)} bytes for {few_arrays} bytes of arrays"):
+        decode_group([big, *frames[1:]])
+
+
+def test_a_message_of_too_many_frames_is_refused_before_any_is_looked_at():
+    frames = [bytes(f) for f in encode_group(make_group())]
+    with pytest.raises(WireError, match="200000 frames, at most") as err:
+        decode_group([frames[0], *[b""] * 199_999])
+    assert err.value.reason == "frames"

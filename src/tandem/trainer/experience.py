@@ -266,6 +266,7 @@ class RemoteExperience:
             "groups_dropped_future": dropped["future"],
             "groups_dropped_discarded": dropped["discarded"],
             "messages_dropped": sum(self.receiver.dropped.values()),
+            "connections_closed": self.receiver.connections_closed,  # oversize frames among them
             # well-formed groups this run cannot train on (transport/admission.py), by reason
             "groups_rejected": sum(self.receiver.rejected.values()),
             **{f"groups_rejected_{reason}": n for reason, n in sorted(self.receiver.rejected.items())},
@@ -312,10 +313,13 @@ class RemoteExperience:
         self.context.term()
 
 
-def group_limits(cfg: Config, policy: torch.nn.Module) -> GroupLimits:
+def group_limits(cfg: Config, policy: torch.nn.Module) -> GroupLimits | None:
     """What a group must respect to be trained on: the policy's vocabulary and context, the run's
-    group size and completion length."""
-    config = policy.config
+    group size and completion length (None for a module without an HF config, which tests use:
+    then only the wire's own checks apply)."""
+    config = getattr(policy, "config", None)
+    if config is None:
+        return None
     return GroupLimits(
         vocab_size=int(config.vocab_size),
         num_generations=cfg.sampling.num_generations,

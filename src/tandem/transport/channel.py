@@ -18,7 +18,7 @@ from tandem.config import CurveConfig
 from tandem.transport.admission import GroupLimits, check_group
 from tandem.transport.auth import CountingAuthenticator, HandshakeWatch, configure_client, configure_server
 from tandem.transport.drops import Drops
-from tandem.transport.wire import MAX_MESSAGE_BYTES, WireError, decode_group, encode_group
+from tandem.transport.wire import MAX_GROUP_FRAMES, MAX_MESSAGE_BYTES, WireError, decode_group, encode_group
 from tandem.types import Group
 
 DEFAULT_DATA_PORT = 5555
@@ -176,6 +176,8 @@ class GroupReceiver:
         if rcvhwm < 1:
             raise ValueError(f"rcvhwm must be >= 1 (0 would mean an unbounded queue), got {rcvhwm}")
         self.max_bytes, self.limits = max_bytes, limits
+        # a group: header, prompt ids, and 3 arrays per completion
+        self._max_frames = 2 + 3 * limits.num_generations if limits is not None else MAX_GROUP_FRAMES
         self._drops, self._rejections = Drops(logger, address), Drops(logger, address)
         self.dropped: Counter[str] = self._drops.counts  # malformed messages, by WireError reason
         self.rejected: Counter[str] = self._rejections.counts  # well-formed groups the run cannot use
@@ -206,14 +208,22 @@ class GroupReceiver:
             ) from err
         self.address = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()  # resolves port 0 / '*'
         self._drops.where = self._rejections.where = self.address
+        # connections ZeroMQ closed: an oversize frame (MAXMSGSIZE), a protocol error, or a sampler
+        # that left. With CURVE the authenticator watches this socket's handshakes instead (a
+        # socket has one monitor), and strangers never get past the handshake.
+        self._closures = Drops(logger, self.address)
+        self._monitor = None if auth is not None else self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._closed = False
 
     def recv(self, timeout: float | None) -> Group | None:
         """The next valid group, or None if none arrived within `timeout` seconds (None: wait)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._count_closed()
         while self._socket.poll(_remaining_ms(deadline), zmq.POLLIN):
-            frames = self._socket.recv_multipart(copy=False)
+            frames = self._recv_parts()
             try:
+                if frames is None:
+                    raise WireError(f"message has more than {self._max_frames} frames", "frames")
                 group = decode_group(frames, max_bytes=self.max_bytes)
             except WireError as err:
                 self._drop(err.reason, str(err))
@@ -231,6 +241,31 @@ class GroupReceiver:
                 break
         return None
 
+    @property
+    def connections_closed(self) -> int:
+        return self._closures.counts["connection closed"]
+
+    def _count_closed(self) -> None:
+        while self._monitor is not None and self._monitor.poll(0):
+            self._monitor.recv_multipart()
+            self._closures.add(
+                "connection closed",
+                "ZeroMQ closed a peer's connection (a frame over pipeline.max_message_mb, a protocol "
+                "error, or a sampler that left)",
+            )
+
+    def _recv_parts(self) -> list[zmq.Frame] | None:
+        """One message, part by part; None (its parts read and let go) past the frame cap, so that
+        200k empty parts cost no more than a few."""
+        frames = [self._socket.recv(copy=False)]
+        while self._socket.getsockopt(zmq.RCVMORE):
+            part = self._socket.recv(copy=False)
+            if frames is not None:
+                frames.append(part)
+                if len(frames) > self._max_frames:
+                    frames = None
+        return frames
+
     def _drop(self, reason: str, message: str) -> None:
         self._drops.add(reason, message)
 
@@ -238,6 +273,9 @@ class GroupReceiver:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if getattr(self, "_monitor", None) is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
         self._socket.close()
         if self._own_context:
             self._context.term()

@@ -48,6 +48,15 @@ from tandem.types import GROUP_TIMINGS, Completion, Group, TensorSpec, TrainerSt
 SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 2**20
 MAX_METADATA_DEPTH = 32
+# a header describes its arrays: its JSON may be a fixed floor plus a multiple of the array bytes,
+# and never above the cap (a JSON parse costs ~25x its text in memory for a bomb of empty objects)
+HEADER_FLOOR_BYTES = 2**20
+HEADER_PER_ARRAY_BYTE = 8
+MAX_HEADER_BYTES = 8 * 2**20
+MAX_HEADER_OBJECTS_PER_FRAME = (
+    16  # JSON objects a group header may hold: a floor of 1024, plus this per frame
+)
+MAX_GROUP_FRAMES = 2 + 3 * 1024  # header, prompt ids and 3 arrays per completion, G <= 1024
 
 # wire dtype -> little-endian numpy dtype; nothing outside this table is ever decoded
 _DTYPES = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4")}
@@ -202,8 +211,14 @@ def decode_group(frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES) -
 
     Arrays are copied out of the frames, so the Group holds no ZeroMQ memory.
     """
-    views = _byte_views(frames, max_bytes)
-    header = _load_header(views[0])
+    views = _byte_views(frames, max_bytes, max_frames=MAX_GROUP_FRAMES)
+    array_bytes = sum(len(v) for v in views[1:])
+    header_cap = min(MAX_HEADER_BYTES, HEADER_FLOOR_BYTES + HEADER_PER_ARRAY_BYTE * array_bytes)
+    if len(views[0]) > header_cap:
+        raise WireError(
+            f"header is {len(views[0])} bytes for {array_bytes} bytes of arrays, cap is {header_cap}", "size"
+        )
+    header = _load_header(views[0], max_objects=1024 + MAX_HEADER_OBJECTS_PER_FRAME * len(views))
     _check_schema(header, "group")
     _check_keys(header, _GROUP_KEYS, "header", optional=_GROUP_OPTIONAL_KEYS)
 
@@ -261,11 +276,13 @@ def decode_control(frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES)
     return kind, payload
 
 
-def _byte_views(frames: Sequence[Any], max_bytes: int) -> list[memoryview]:
+def _byte_views(frames: Sequence[Any], max_bytes: int, max_frames: int | None = None) -> list[memoryview]:
     if isinstance(frames, (bytes, bytearray, memoryview, str)) or not isinstance(frames, Sequence):
         raise WireError(f"frames must be a list of byte buffers, got {type(frames).__name__}", "frames")
     if not frames:
         raise WireError("message has no frames", "frames")
+    if max_frames is not None and len(frames) > max_frames:
+        raise WireError(f"message has {len(frames)} frames, at most {max_frames}", "frames")
     views = []
     for i, frame in enumerate(frames):
         buffer = getattr(frame, "buffer", frame)  # zmq.Frame exposes its bytes as .buffer
@@ -283,18 +300,29 @@ def _byte_views(frames: Sequence[Any], max_bytes: int) -> list[memoryview]:
     return views
 
 
-def _load_header(view: memoryview) -> dict:
+def _load_header(view: memoryview, max_objects: int | None = None) -> dict:
+    """Frame 0 as a JSON object; with `max_objects`, parsing stops at the first object beyond it."""
     try:
         text = str(view, "utf-8")
     except UnicodeDecodeError as err:
         raise WireError(f"header is not valid UTF-8: {err}", "bad_header") from err
+    hook = _unique_keys
+    if max_objects is not None:
+        seen = [0]
+
+        def hook(pairs: list[tuple[str, Any]]) -> dict:
+            seen[0] += 1
+            if seen[0] > max_objects:
+                raise WireError(f"header holds more than {max_objects} objects", "size")
+            return _unique_keys(pairs)
+
     try:
         header = json.loads(
             text,
             parse_constant=_reject_constant,
             parse_float=_parse_float,
             parse_int=_parse_int,
-            object_pairs_hook=_unique_keys,
+            object_pairs_hook=hook,
         )
     except WireError:
         raise
