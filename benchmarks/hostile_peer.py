@@ -23,7 +23,6 @@ import multiprocessing as mp
 import platform
 import resource
 import time
-from pathlib import Path
 
 from results_file import add_out_arguments, results_file  # benchmarks/results_file.py
 
