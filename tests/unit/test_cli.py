@@ -50,6 +50,20 @@ def test_overrides_and_options_in_any_order(argv):
     )
 
 
+def test_the_readme_sampler_line_takes_overrides_after_its_options():
+    """README: `tandem sample CONFIG --trainer-host HOST pipeline.curve.server_public_key=...`."""
+    from tandem.cli import parse_args
+
+    args = parse_args(
+        ["sample", "c.yaml", "--trainer-host", "h1", "pipeline.curve.server_public_key=k", "seed=2"]
+    )
+    assert (args.config, args.trainer_host, args.overrides) == (
+        "c.yaml",
+        "h1",
+        ["pipeline.curve.server_public_key=k", "seed=2"],
+    )
+
+
 def test_a_stray_option_or_a_second_file_is_refused(capsys):
     from tandem.cli import parse_args
 
