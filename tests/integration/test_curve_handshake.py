@@ -271,3 +271,29 @@ def test_sampler_and_trainer_both_report_a_refused_key(
     assert len(logged) == 1 and "pipeline.curve.authorized_clients" in logged[0]
     assert "handshakes refused from 127.0.0.1" in str(silent.value)
     assert "a sampler with the wrong key?" in str(silent.value)
+
+
+def test_under_curve_an_oversize_frame_is_counted_as_a_closed_connection(keys):
+    """With CURVE the authenticator owns the socket's monitor; it counts the connection ZeroMQ
+    closes for an authorised sampler's oversize frame, and the receiver reports it."""
+    context = zmq.Context()
+    curve = trainer_curve(keys)
+    auth = start_server_auth(context, curve)
+    receiver = GroupReceiver("tcp://127.0.0.1:0", context=context, curve=curve, auth=auth, max_bytes=4096)
+    client = context.socket(zmq.PUSH)
+    client.setsockopt(zmq.LINGER, 0)
+    from tandem.transport.auth import configure_client
+
+    configure_client(client, sampler_curve(keys))
+    client.connect(receiver.address)
+    try:
+        client.send(b"x" * 100_000)
+        deadline = time.monotonic() + REFUSED_IN_S
+        while receiver.connections_closed == 0 and time.monotonic() < deadline:
+            assert receiver.recv(timeout=0.1) is None
+        assert receiver.connections_closed >= 1 and auth.refused == 0
+    finally:
+        client.close()
+        receiver.close()
+        auth.stop()
+        context.term()

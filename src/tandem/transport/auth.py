@@ -85,6 +85,7 @@ class CountingAuthenticator(ThreadAuthenticator):
         self._last_warning: dict[str, float] = {}
         self._addresses: dict[bytes, str] = {}  # ZAP request id -> the peer's address
         self._monitors: list[zmq.Socket] = []
+        self.closed: Counter[str] = Counter()  # connections ZeroMQ closed, by the socket's endpoint
         self._watching = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -123,7 +124,14 @@ class CountingAuthenticator(ThreadAuthenticator):
         """Count the failed CURVE handshakes of a trainer socket; call it from the socket's
         thread before the socket is handed to another (ZeroMQ sockets are not thread-safe)."""
         address = f"inproc://tandem-handshakes-{uuid.uuid4().hex}"
-        sock.monitor(address, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        # one monitor per socket: it also counts the connections ZeroMQ closes (an oversize frame,
+        # a protocol error, a peer that left), which the socket's owner reads from `closed`
+        events = (
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_DISCONNECTED
+        )
+        sock.monitor(address, events)
         monitor = self.context.socket(zmq.PAIR)
         monitor.connect(address)
         with self._lock:  # the lock hands the new socket to the watcher thread
@@ -150,6 +158,10 @@ class CountingAuthenticator(ThreadAuthenticator):
 
     def _failed(self, event: dict) -> None:
         endpoint = event["endpoint"].decode(errors="replace")
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            with self._lock:
+                self.closed[endpoint] += 1
+            return
         value = int(event["value"])
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
             # a peer without CURVE sees the mismatch as fast as we do and may hang up first

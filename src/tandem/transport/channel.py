@@ -209,10 +209,12 @@ class GroupReceiver:
         self.address = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()  # resolves port 0 / '*'
         self._drops.where = self._rejections.where = self.address
         # connections ZeroMQ closed: an oversize frame (MAXMSGSIZE), a protocol error, or a sampler
-        # that left. With CURVE the authenticator watches this socket's handshakes instead (a
-        # socket has one monitor), and strangers never get past the handshake.
+        # that left. A socket has one monitor: with CURVE it is the authenticator's, which counts them.
         self._closures = Drops(logger, self.address)
-        self._monitor = None if auth is not None else self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._auth = auth if curve is not None and curve.enabled else None
+        self._monitor = (
+            None if self._auth is not None else self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        )
         self._closed = False
 
     def recv(self, timeout: float | None) -> Group | None:
@@ -246,13 +248,19 @@ class GroupReceiver:
         return self._closures.counts["connection closed"]
 
     def _count_closed(self) -> None:
+        if self._auth is not None:  # CURVE: the authenticator's monitor of this socket counts them
+            for _ in range(self._auth.closed[self.address] - self.connections_closed):
+                self._closure()
         while self._monitor is not None and self._monitor.poll(0):
             self._monitor.recv_multipart()
-            self._closures.add(
-                "connection closed",
-                "ZeroMQ closed a peer's connection (a frame over pipeline.max_message_mb, a protocol "
-                "error, or a sampler that left)",
-            )
+            self._closure()
+
+    def _closure(self) -> None:
+        self._closures.add(
+            "connection closed",
+            "ZeroMQ closed a peer's connection (a frame over pipeline.max_message_mb, a protocol "
+            "error, or a sampler that left)",
+        )
 
     def _recv_parts(self) -> list[zmq.Frame] | None:
         """One message, part by part; None (its parts read and let go) past the frame cap, so that
