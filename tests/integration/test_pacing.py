@@ -4,6 +4,8 @@ makes a group that goes stale, however many versions a batch spans."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -66,6 +68,8 @@ def test_a_sampler_at_its_quota_feeds_every_batch_fresh_and_makes_nothing_in_vai
     )
     cfg.run_dir.mkdir(parents=True)
     policy = torch.nn.Linear(2, 2)
+    # what the trainer checks groups against (an HF model's config has these)
+    policy.config = SimpleNamespace(vocab_size=16, max_position_embeddings=64)
     steps_per_batch = batch_steps(cfg.training, 2 * PROMPTS, iterations, 1)
     experience = RemoteExperience(cfg, cfg.run_dir, policy)
     sender = GroupSender(f"tcp://127.0.0.1:{cfg.pipeline.data_port}")

@@ -59,23 +59,7 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
 def test_killed_save_is_ignored_by_resume(tmp_path):
     """SIGKILL in the middle of writing: the half-written folder is never picked up."""
     _save(tmp_path, 2, _Model())
-    script = textwrap.dedent(f"""
-        import time, torch
-        from tandem.trainer import checkpoint as ckpt
-        def slow_write(tmp):
-            (tmp / "model").mkdir()
-            (tmp / "model" / "half.safetensors").write_bytes(b"x" * 1000)
-            print("writing", flush=True)
-            time.sleep(60)
-        ckpt.atomic_dir(ckpt.Path({str(tmp_path)!r}) / "step-4", slow_write)
-    """)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    assert proc.stdout.readline().strip() == "writing"
+    proc = _writer_in_a_child(tmp_path, "step-4")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-step-4")], (

@@ -313,13 +313,10 @@ class RemoteExperience:
         self.context.term()
 
 
-def group_limits(cfg: Config, policy: torch.nn.Module) -> GroupLimits | None:
-    """What a group must respect to be trained on: the policy's vocabulary and context, the run's
-    group size and completion length (None for a module without an HF config, which tests use:
-    then only the wire's own checks apply)."""
-    config = getattr(policy, "config", None)
-    if config is None:
-        return None
+def group_limits(cfg: Config, policy: torch.nn.Module) -> GroupLimits:
+    """What a group must respect to be trained on: the policy's vocabulary and context (its HF
+    config), the run's group size and completion length."""
+    config = policy.config
     return GroupLimits(
         vocab_size=int(config.vocab_size),
         num_generations=cfg.sampling.num_generations,
