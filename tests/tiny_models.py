@@ -37,18 +37,21 @@ def make_tiny_tokenizer():
     return tokenizer
 
 
-def make_tiny_model_dir(path: Path, *, seed: int = 0, num_layers: int = 2) -> Path:
-    """A 2-layer Llama with a 320-token vocabulary, saved as an HF folder (no download)."""
+def make_tiny_model_dir(
+    path: Path, *, seed: int = 0, num_layers: int = 2, hidden_size: int = 32, num_heads: int = 4
+) -> Path:
+    """A 2-layer Llama with a 320-token vocabulary, saved as an HF folder (no download).
+    vLLM's CPU attention needs a head size of at least 32: hidden_size=64, num_heads=2."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = make_tiny_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads // 2,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,

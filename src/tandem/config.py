@@ -238,7 +238,40 @@ def check_rewards(rewards: Sequence[RewardSpec]) -> None:
 
 
 @dataclass
+class VLLMSpec:
+    """`sampling.vllm`: the engine of `sampling.backend: vllm` (the sampler's own, in its process)."""
+
+    gpu_memory_utilization: float = 0.7  # of the sampler's GPU; the rest holds the reference and rewards
+    max_model_len: int = 0  # 0 = the longest prompt budget + sampling.max_new_tokens, at least 1024
+    tensor_parallel_size: int = 1  # GPUs per engine (the sampler's devices); > 1 starts vLLM's workers
+    enforce_eager: bool | None = None  # None: true on the CPU (compiling costs more than it gains), false on GPUs
+    enable_prefix_caching: bool = True  # a group's prompt is computed once for its G completions
+    cpu_kvcache_space_gib: float = 0.0  # CPU only: KV cache size; 0 = what batch_size x max_model_len needs
+    # CPU only: the cores the engine's threads are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND):
+    # auto = the last sampling.num_threads cores this process may use; or "0-3", "0,2", "nobind"
+    cpu_threads_bind: str = "auto"
+
+    def check(self, key: str = "sampling.vllm") -> None:
+        _check(
+            self,
+            key,
+            gpu_memory_utilization=_within(0, 1, open_low=True),
+            max_model_len=_at_least(0, "0 = from the prompt budget and sampling.max_new_tokens"),
+            tensor_parallel_size=_at_least(1),
+            cpu_kvcache_space_gib=_at_least(0, "0 = sized from sampling.batch_size"),
+        )
+        bind = self.cpu_threads_bind
+        if bind not in ("auto", "nobind") and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", bind):
+            raise ConfigError(
+                f"`{key}.cpu_threads_bind` is {bind!r}; use auto, nobind or a core list such as 0-3 or 0,2"
+            )
+
+
+@dataclass
 class SamplingConfig:
+    # the generation engine of the sampler: tandem (our batched loop, the faster one on a CPU) or
+    # vllm (paged attention, continuous batching, CUDA graphs; `pip install tandem[vllm]` on GPUs)
+    backend: Literal["tandem", "vllm"] = "tandem"
     num_generations: int = 4  # G completions per prompt (group size)
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -247,8 +280,10 @@ class SamplingConfig:
     dtype: Dtype = "bfloat16"  # rollout copy of the policy
     batch_size: int = 32  # sequences per generation call
     num_threads: int = 0  # sampler process CPU threads, 0 = split the cores with the trainer
+    vllm: VLLMSpec = field(default_factory=VLLMSpec)
 
     def check(self, key: str = "sampling") -> None:
+        self.vllm.check(f"{key}.vllm")
         _check(
             self,
             key,
@@ -623,6 +658,12 @@ class Config:
             )
         if self.method == "ppo":
             _check_ppo_prompts(self)
+        if self.sampling.backend == "vllm" and self.pipeline.mode != "decoupled":
+            raise ConfigError(
+                "`sampling.backend` is vllm with pipeline.mode=colocated; the vLLM engine runs in the "
+                "sampler process: set pipeline.mode=decoupled (`tandem grpo` then starts a sampler and a "
+                "trainer) or sampling.backend=tandem"
+            )
         if self.method in ("grpo", "ppo"):
             check_rewards(self.rewards)
             validate_batch(self)

@@ -18,10 +18,17 @@ from tandem.config import Config
 from tandem.data.prompts import render_prompt
 from tandem.distributed.runtime import trim_memory
 from tandem.models.forward import pack_rows, packed_logprobs
-from tandem.models.loading import check_same_tokenizer, load_causal_lm, load_tokenizer, model_kwargs
+from tandem.models.loading import (
+    check_same_tokenizer,
+    load_causal_lm,
+    load_tokenizer,
+    model_kwargs,
+    resolve_model_path,
+)
 from tandem.models.lora import BaseOfAdapter, apply_lora, is_lora
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.generation import generate_groups
+from tandem.sampler.vllm_engine import VLLMEngine
 from tandem.types import Completion, Example, Group
 
 
@@ -56,6 +63,9 @@ class Rollout:
     adv_eps: float = 1e-4
     sampler_id: str = "local"
     generator: torch.Generator | None = None
+    # sampling.backend=vllm: the engine that generates; `policy` then only receives the weights
+    # (and is the reference of a LoRA run), and each version is loaded into the engine
+    engine: VLLMEngine | None = None
     timings: RolloutTimings = field(default_factory=RolloutTimings)
     _prompt_cache: dict = field(default_factory=dict)
 
@@ -74,19 +84,25 @@ class Rollout:
         prompts = [self.prompt(ex) for ex in examples]
         t0 = time.perf_counter()
         self.policy.eval()
-        gen = generate_groups(
-            self.policy,
-            [ids for _, ids in prompts],
+        sampling = dict(
             num_generations=self.num_generations,
             max_new_tokens=self.max_new_tokens,
             eos_token_ids=eos_token_ids(self.tokenizer, self.policy),
-            pad_token_id=self.tokenizer.pad_token_id,
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
-            batch_size=self.batch_size,
             generator=self.generator,
         )
+        if self.engine is not None:
+            gen = self.engine.generate([ids for _, ids in prompts], **sampling)
+        else:
+            gen = generate_groups(
+                self.policy,
+                [ids for _, ids in prompts],
+                pad_token_id=self.tokenizer.pad_token_id,
+                batch_size=self.batch_size,
+                **sampling,
+            )
         trim_memory()  # the KV caches are free now
         timings.generate = time.perf_counter() - t0
 
@@ -217,6 +233,20 @@ def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_
     agree), the frozen reference, the rewards and the prompt format."""
     lora = cfg.model.lora
     rollout_model = policy
+    engine = None
+    if cfg.sampling.backend == "vllm":
+        # before any other model: vLLM sets this process's threads (and on the CPU binds them)
+        engine = VLLMEngine(
+            resolve_model_path(cfg.model.policy),
+            spec=cfg.sampling.vllm,
+            dtype=cfg.sampling.dtype,
+            device=torch.device(device),
+            seed=cfg.seed,
+            max_new_tokens=cfg.sampling.max_new_tokens,
+            batch_size=cfg.sampling.batch_size,
+            num_threads=cfg.sampling.num_threads,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
     if policy is None or cfg.sampling.dtype != cfg.model.dtype:
         rollout_model = load_causal_lm(
             cfg.model.policy, dtype=cfg.sampling.dtype, trainable=False, **model_kwargs(cfg.model, device)
@@ -260,4 +290,5 @@ def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_
         adv_eps=cfg.grpo.adv_eps,
         sampler_id=sampler_id,
         generator=generator,
+        engine=engine,
     )

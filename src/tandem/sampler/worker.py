@@ -104,6 +104,7 @@ class Sampler:
         self._last_warning = 0.0
         self._told_refusal: str | None = None  # the handshake problem last reported
         self._last_refusal_warning = 0.0
+        self.time_engine_load = 0.0  # vLLM: the last version's load into the engine (in time_weights)
 
     @property
     def trainer_where(self) -> str:
@@ -203,6 +204,8 @@ class Sampler:
             return None
         if manifest is None:
             return None
+        if self.rollout.engine is not None:  # sampling.backend=vllm: into the running engine
+            self.time_engine_load = self.rollout.engine.load_weights(policy)
         if manifest.run_id != self.run_id:
             log.info(
                 "sampler %s: trainer run %s, weights v%d", self.sampler_id, manifest.run_id, manifest.version
@@ -249,6 +252,7 @@ class Sampler:
         with (self.log_dir / f"{self.sampler_id}.jsonl").open("a") as record:
             while max_batches is None or batches < max_batches:
                 wait_start = time.perf_counter()
+                self.time_engine_load = 0.0
                 status = self.wait_for_turn()
                 if status is None:
                     break
@@ -298,12 +302,15 @@ class Sampler:
             "time_reward": t.reward,
             "generate_tokens_per_second": tokens / max(t.generate, 1e-9),
             "time_weights": time_weights,
+            "time_weights_engine": self.time_engine_load if self.rollout.engine is not None else None,
             "time_wait_trainer": time_wait,
             "time_send": time.perf_counter() - send_start,
             **gpu_memory(),  # on CUDA: this sampler's own memory (beside the trainer's on a shared GPU)
         }
 
     def close(self) -> None:
+        if self.rollout.engine is not None:
+            self.rollout.engine.close()
         self.sender.close()
         self.weights.close()
         self.context.term()
