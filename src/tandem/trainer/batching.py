@@ -23,7 +23,7 @@ class Sample:
     policy_version: int
     group_index: int  # samples of one group share a packed row (their prompt is computed once)
     reward: float = 0.0  # the completion's total reward (PPO scores the sequence with it)
-    # [T] pi_old as the trainer computes it (grpo.old_logprobs: trainer); None: the sampler's stand
+    # [T] pi_old as the trainer computed it (grpo.old_logprobs: trainer); None: sampler_logprobs is
     old_logprobs: torch.Tensor | None = None
 
 

@@ -126,7 +126,8 @@ class RankBatches:
     """Batches of groups for every rank. Rank 0 takes `prompts_per_step` groups from the experience,
     makes samples (flatten_groups: advantages rescaled per `scale_rewards`, zero-variance groups
     skipped or not) and tells the experience how many optimizer steps they make (the samplers'
-    pacing); then every rank receives its shares."""
+    pacing); then every rank receives its shares, with the version of the weights the batch was
+    taken with (Share.weights_version)."""
 
     def __init__(
         self,
