@@ -5,7 +5,9 @@ parameters and per-step stats, so runs at different world sizes and strategies c
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_driver.py MODEL_DIR OUT.pt key=value...
 
 POISON_STEP=k gives one completion of step k an infinite advantage (its loss and gradient are then
-non-finite, so the engine must skip that step); LEAVE_OUT_STEP=k runs no step k at all.
+non-finite, so the engine must skip that step); LEAVE_OUT_STEP=k runs no step k at all. Each step is
+a batch of its own, whose groups stand for ones the step's weights made (so with
+grpo.old_logprobs=trainer every step recomputes pi_old, and every row compares the log-probs).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from tandem.config import load_config, validate_batch
 from tandem.distributed.engine import build_engine
 from tandem.distributed.env import all_reduce_sum, init_distributed, shutdown
 from tandem.trainer.batching import flatten_groups
-from tandem.trainer.grpo import optimizer_step
+from tandem.trainer.grpo import optimizer_step, recompute_old_logprobs
 from tandem.trainer.rl_steps import scatter_share
 from tandem.trainer.run import load_policy
 from tandem.types import Completion, Group
@@ -105,9 +107,15 @@ def main() -> None:
             if step == poison:
                 samples[0].advantage = float("inf")
         share = scatter_share(env, samples if env.is_main else None, cfg)
-        stats = optimizer_step(engine, share, cfg, device, env)
+        share.weights_version = 0  # the groups' policy_version
+        mismatch = None
+        if cfg.grpo.old_logprobs == "trainer":
+            mismatch = recompute_old_logprobs(engine, [share], cfg, device, env)
+        stats = optimizer_step(engine, share, cfg, device, env, mismatch=mismatch)
         keys = ("loss", "kl", "grad_norm", "lr", "num_train_sequences", "skipped_nonfinite")
-        rows.append({k: stats[k] for k in keys})
+        measured = ("ratio_abs_dev", "sampler_logprob_diff", "sampler_logprob_kl", "sampler_logprob_tokens")
+        importance = ("importance_weight_mean", "importance_weight_capped")
+        rows.append({k: stats.get(k) for k in (*keys, *measured, *importance)})
     loaded["held_after_steps"] = held(engine.module, env)
     with engine.gathered():
         if env.is_main:

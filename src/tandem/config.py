@@ -308,6 +308,13 @@ class GRPOConfig:
     num_iterations: int = 1  # optimizer passes over each step's batch
     adv_eps: float = 1e-4  # added to the std when scaling rewards
     skip_zero_variance_groups: bool = False
+    # pi_old of the clipped ratio: the sampler's log-probs, or the trainer's own, recomputed at the
+    # batch-start weights before the first update (another generation engine's log-probs differ)
+    old_logprobs: Literal["sampler", "trainer"] = "sampler"
+    # truncated importance weight min(pi_old / pi_sampler, importance_cap) on each token's surrogate
+    # (Yao et al. 2025); needs old_logprobs=trainer
+    importance_correction: bool = False
+    importance_cap: float = 2.0
 
     def check(self, key: str = "grpo") -> None:
         _check(
@@ -319,7 +326,13 @@ class GRPOConfig:
             kl_coef=_at_least(0, "0 = no KL term"),
             num_iterations=_at_least(1),
             adv_eps=_at_least(0),
+            importance_cap=_at_least(1),
         )
+        if self.importance_correction and self.old_logprobs == "sampler":
+            raise ConfigError(
+                f"`{key}.importance_correction` is true with {key}.old_logprobs=sampler, where pi_old is "
+                f"the sampler's own log-probs and every weight is 1; set {key}.old_logprobs=trainer"
+            )
 
 
 @dataclass

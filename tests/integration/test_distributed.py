@@ -186,6 +186,48 @@ def test_rank_without_a_group_and_checkpointed_activations(tiny_model_dir, tmp_p
     assert_same(params, ref, "zero3 with an idle rank")
 
 
+def test_trainer_old_logprobs_two_ranks_equal_one_rank(tiny_model_dir, tmp_path):
+    """grpo.old_logprobs=trainer with the importance correction: the driver's sampler log-probs are
+    far from the model's, yet each step (the first of its batch) has ratio 1, and 2 DDP ranks (one
+    of them idle: one group, so it recomputes on a stand-in) recompute pi_old, compare and update
+    as one process does. (ZeRO-3 in place of DDP passes too, in 77 s here instead of 15.)"""
+    strategy = ["training.distributed_strategy=ddp"]
+    common = [
+        "grpo.prompts_per_step=1",
+        "training.micro_batch_size=2",
+        "grpo.old_logprobs=trainer",
+        "grpo.importance_correction=true",
+        "grpo.importance_cap=1.0",  # the driver's log-probs sit mostly below the model's: w < 1
+    ]
+    ref_params, ref = run_driver(
+        tmp_path,
+        tiny_model_dir,
+        "one",
+        1,
+        *common,
+        "training.distributed_strategy=none",
+        "training.gradient_accumulation_steps=2",
+    )
+    params, two = run_driver(
+        tmp_path, tiny_model_dir, "two", 2, *common, *strategy, "training.gradient_accumulation_steps=1"
+    )
+    for row, ref_row in zip(two["rows"], ref["rows"], strict=True):
+        assert row["ratio_abs_dev"] == ref_row["ratio_abs_dev"] == 0.0
+        assert row["sampler_logprob_tokens"] == ref_row["sampler_logprob_tokens"] > 0
+        assert ref_row["sampler_logprob_diff"] > 0.5  # the driver's log-probs are made up
+        assert ref_row["importance_weight_mean"] < 1
+        for key in (
+            "loss",
+            "grad_norm",
+            "sampler_logprob_diff",
+            "sampler_logprob_kl",
+            "importance_weight_mean",
+        ):
+            assert row[key] == pytest.approx(ref_row[key], rel=1e-5), key
+    assert any(0 < r["importance_weight_capped"] < 1 for r in ref["rows"]), ref["rows"]
+    assert_same(params, ref_params, " ".join(strategy))
+
+
 # ------------------------------------------------ whole runs: launch, two nodes, DeepSpeed resume
 
 from integration.test_pipeline import Run  # noqa: E402 - the pipeline tests' run helper

@@ -96,6 +96,8 @@ def test_a_sampler_at_its_quota_feeds_every_batch_fresh_and_makes_nothing_in_vai
             taken += len(groups)
             assert stats["groups_dropped_stale"] == 0
             versions_taken.append(experience.version)
+            # the trainer holds the weights of its newest version only at a step that published it
+            assert experience.weights_version() == (experience.version if step % sync_every == 0 else None)
             assert all(experience.version - g.policy_version <= max_staleness for g in groups)
             experience.expect(step, steps_per_batch, steps_per_batch)
             sample()

@@ -174,6 +174,9 @@ def test_strictly_on_policy_ratio_is_one(make_run):
     assert [r["policy_version"] for r in rows] == [0, 1, 2, 3]
     assert all(r["staleness_mean"] == 0 and r["groups_dropped_stale"] == 0 for r in rows)
     assert all(r["ratio_abs_dev"] < 1e-5 for r in rows), [r["ratio_abs_dev"] for r in rows]
+    # every group was made by the weights that take it: all its tokens are compared, and agree
+    assert all(r["sampler_logprob_tokens"] == r["tokens_generated"] for r in rows)
+    assert all(r["sampler_logprob_diff"] < 1e-5 for r in rows), [r["sampler_logprob_diff"] for r in rows]
     assert all(r["clip_fraction"] == 0 for r in rows)
     assert rows[-1]["grad_norm"] > 0
     # the sampler on this host was lent each version's shared snapshot file: no chunk was sent

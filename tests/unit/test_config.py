@@ -175,6 +175,8 @@ def test_bad_choice_lists_choices():
         ("sampling.top_p=1.5", "sampling.top_p"),
         ("sampling.temperature=0", "sampling.temperature"),
         ("grpo.clip_eps_low=-0.1", "grpo.clip_eps_low"),
+        ("grpo.importance_cap=0.5", "grpo.importance_cap"),
+        ("grpo.old_logprobs=engine", "grpo.old_logprobs"),
         ("training.device=gpu", "training.device"),
         ("experiment_name=a/b", "experiment_name"),
         ("experiment_name=''", "experiment_name"),
@@ -183,6 +185,16 @@ def test_bad_choice_lists_choices():
 def test_bounds_name_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"`{key}`"):
         load_config(None, [override])
+
+
+def test_importance_correction_needs_the_trainer_s_old_logprobs():
+    with pytest.raises(
+        ConfigError, match=r"`grpo.importance_correction` is true .* set grpo.old_logprobs=trainer"
+    ):
+        load_config(None, ["grpo.importance_correction=true"])
+    cfg = load_config(None, ["grpo.importance_correction=true", "grpo.old_logprobs=trainer"])
+    assert (cfg.grpo.old_logprobs, cfg.grpo.importance_cap) == ("trainer", 2.0)
+    assert load_config(None, ["grpo.importance_cap=1"]).grpo.importance_cap == 1.0
 
 
 @pytest.mark.parametrize("value", ["0", "3", "-1"])

@@ -1,4 +1,5 @@
-"""GRPO advantages and loss: hand-computed values, a naive re-implementation, normaliser invariance."""
+"""GRPO advantages and loss: hand-computed values, a naive re-implementation, normaliser invariance,
+and the truncated importance weight (Yao et al. 2025)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import math
 import pytest
 import torch
 
-from tandem.algorithms.grpo import LOSS_AGGREGATIONS, group_advantages, grpo_loss
+from tandem.algorithms.grpo import (
+    LOSS_AGGREGATIONS,
+    group_advantages,
+    grpo_loss,
+    truncated_importance_weights,
+)
 
 
 def test_group_advantages_by_hand():
@@ -75,8 +81,9 @@ def test_separate_low_and_high_clip():
     assert loss.item() == pytest.approx(-(-0.8 + 1.25) / 2, abs=1e-6)
 
 
-def _naive_grpo_loss(new, old, ref, adv, mask, eps_low, eps_high, kl_coef, agg, max_len):
-    """Loop-by-loop re-implementation from the formula in DESIGN.md section 6."""
+def _naive_grpo_loss(new, old, ref, adv, mask, eps_low, eps_high, kl_coef, agg, max_len, weights=None):
+    """Loop-by-loop re-implementation from the formula in DESIGN.md section 6 (`weights`: each token's
+    importance weight on its surrogate, not on its KL term)."""
     per_seq, total, count = [], 0.0, 0
     for i in range(len(new)):
         terms = []
@@ -85,6 +92,8 @@ def _naive_grpo_loss(new, old, ref, adv, mask, eps_low, eps_high, kl_coef, agg, 
                 continue
             r = math.exp(new[i][t] - old[i][t])
             obj = min(r * adv[i], min(max(r, 1 - eps_low), 1 + eps_high) * adv[i])
+            if weights is not None:
+                obj *= weights[i][t]
             d = ref[i][t] - new[i][t]
             obj -= kl_coef * (math.exp(d) - d - 1)
             terms.append(-obj)
@@ -157,6 +166,88 @@ def test_micro_batches_with_global_normaliser_sum_to_the_full_batch(agg):
         parts += part.item()
     assert parts == pytest.approx(full.item(), rel=1e-12)
     torch.testing.assert_close(new.grad, full_grad)
+
+
+def test_importance_weighted_loss_by_hand():
+    # the by-hand batch above (A = 1, eps 0.2, kl_coef 0.1), now with the sampler's log-probs off
+    # pi_old's: logp_old - logp_sampler = log 3 and log 0.5 -> w = min(3, cap 2) = 2 and 0.5
+    # token 1: obj = 2 * 1.2 - 0.1 * 0                 = 2.4
+    # token 2: obj = 0.5 * 1.0 - 0.1 * e^-1 (KL unweighted) = 0.5 - 0.036788 = 0.463212
+    # seq-mean-token-mean: loss = -(2.4 + 0.463212) / 2 = -1.431606
+    new = torch.tensor([[math.log(1.5), 0.0]], requires_grad=True)
+    old = torch.tensor([[0.0, 0.0]])
+    sampler = torch.tensor([[-math.log(3.0), math.log(2.0)]])
+    ref = torch.tensor([[math.log(1.5), -1.0]])
+    weights = truncated_importance_weights(old, sampler, 2.0)
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5]]))
+    loss, stats = grpo_loss(
+        new,
+        old,
+        ref,
+        torch.tensor([1.0]),
+        torch.tensor([[True, True]]),
+        kl_coef=0.1,
+        importance_weights=weights,
+    )
+    assert loss.item() == pytest.approx(-(2.4 + 0.5 - 0.1 * math.exp(-1)) / 2, abs=1e-6)
+    assert stats["kl"] == pytest.approx(math.exp(-1) / 2, abs=1e-6)  # the statistics are unweighted
+    # the weight is held constant: token 1 is clipped (no gradient), token 2's surrogate gradient
+    # is scaled by w: d/dnew [-(0.5 * ratio - 0.1 * KL)] / 2 at ratio 1, d KL/dnew = 1 - e^-1
+    loss.backward()
+    expected = -(0.5 * 1.0 - 0.1 * (1 - math.exp(-1))) / 2
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0, expected]]))
+    # weights of 1 change nothing, bit for bit
+    plain, _ = grpo_loss(new, old, ref, torch.tensor([1.0]), torch.tensor([[True, True]]), kl_coef=0.1)
+    ones, _ = grpo_loss(
+        new,
+        old,
+        ref,
+        torch.tensor([1.0]),
+        torch.tensor([[True, True]]),
+        kl_coef=0.1,
+        importance_weights=torch.ones(1, 2),
+    )
+    assert plain.item() == ones.item()
+
+
+def _naive_truncated_weights(old, sampler, cap):
+    return [[min(math.exp(o - s), cap) for o, s in zip(orow, srow)] for orow, srow in zip(old, sampler)]
+
+
+@pytest.mark.parametrize("agg", LOSS_AGGREGATIONS)
+def test_importance_weighted_loss_matches_naive_reimplementation(agg):
+    new, old, ref, adv, mask = _random_batch(3)
+    g = torch.Generator().manual_seed(4)
+    sampler = old + torch.randn(old.shape, generator=g, dtype=torch.float64) * 0.5  # some above the cap
+    weights = truncated_importance_weights(old, sampler, 1.5)
+    assert (weights == 1.5).any() and (weights < 1).any()
+    loss, _ = grpo_loss(
+        new,
+        old,
+        ref,
+        adv,
+        mask,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        kl_coef=0.04,
+        loss_agg=agg,
+        max_completion_length=10,
+        importance_weights=weights,
+    )
+    expected = _naive_grpo_loss(
+        new.tolist(),
+        old.tolist(),
+        ref.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        0.2,
+        0.28,
+        0.04,
+        agg,
+        10,
+        weights=_naive_truncated_weights(old.tolist(), sampler.tolist(), 1.5),
+    )
+    assert loss.item() == pytest.approx(expected, rel=1e-10, abs=1e-12)
 
 
 def test_on_policy_first_step_gradient_is_the_policy_gradient():

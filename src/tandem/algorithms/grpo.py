@@ -56,13 +56,16 @@ def grpo_loss(
     loss_agg: str = "seq-mean-token-mean",
     normalizer: float | None = None,
     max_completion_length: int | None = None,
+    importance_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate minus a k3 KL penalty, aggregated as `loss_agg`; returns (loss, stats).
 
-    Shapes: log-probs and completion_mask [B, T] over completion tokens, advantages [B].
+    Shapes: log-probs, completion_mask and importance_weights [B, T] over completion tokens,
+    advantages [B]. `sampler_logprobs` is pi_old, whichever process computed it.
       ratio_t = exp(logp_new - logp_old)
-      obj_t   = min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A) - kl_coef * KL_t
+      obj_t   = w_t * min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A) - kl_coef * KL_t
       KL_t    = exp(logp_ref - logp_new) - (logp_ref - logp_new) - 1        (Schulman's k3, >= 0)
+      w_t     = importance_weights (held constant; see truncated_importance_weights), 1 when None
     Aggregations of -obj_t (m = completion_mask):
       seq-mean-token-mean      sum_i [sum_t m obj / sum_t m] / normalizer   (normalizer = #sequences)
       token-mean               sum_{i,t} m obj / normalizer                  (normalizer = #tokens; DAPO)
@@ -83,6 +86,8 @@ def grpo_loss(
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     objective = torch.minimum(ratio * adv, clipped * adv)
+    if importance_weights is not None:
+        objective = importance_weights.detach().to(objective.dtype) * objective
     if kl_coef != 0:
         kl = kl_k3(trainer_logprobs, ref_logprobs)
         objective = objective - kl_coef * kl
@@ -111,3 +116,15 @@ def grpo_loss(
             "num_tokens": float(num_tokens),
         }
     return loss, stats
+
+
+def truncated_importance_weights(
+    old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance sampling of Yao et al. 2025 ("Your efficient RL framework secretly brings
+    you off-policy RL training"): the tokens were drawn by the sampler's engine, whose log-probs
+    differ from the trainer's for the same weights, so each token's surrogate is reweighted by
+      w_t = min(exp(logp_old - logp_sampler), cap)
+    with logp_old the trainer's own log-probs of pi_old. [B, T] -> [B, T], no gradient.
+    """
+    return torch.exp(old_logprobs - sampler_logprobs).clamp(max=cap).detach()

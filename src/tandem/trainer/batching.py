@@ -23,6 +23,8 @@ class Sample:
     policy_version: int
     group_index: int  # samples of one group share a packed row (their prompt is computed once)
     reward: float = 0.0  # the completion's total reward (PPO scores the sequence with it)
+    # [T] pi_old as the trainer computed it (grpo.old_logprobs: trainer); None: sampler_logprobs is
+    old_logprobs: torch.Tensor | None = None
 
 
 @dataclass
@@ -32,6 +34,7 @@ class MicroBatch:
     sampler_logprobs: torch.Tensor  # [B, T]
     ref_logprobs: torch.Tensor | None  # [B, T]
     advantages: torch.Tensor  # [B]
+    old_logprobs: torch.Tensor | None = None  # [B, T] the trainer's pi_old, when every sample has one
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(*(None if t is None else t.to(device) for t in self.__dict__.values()))
@@ -87,12 +90,14 @@ def collate(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
         return out
 
     has_ref = all(s.ref_logprobs is not None for s in samples)
+    has_old = all(s.old_logprobs is not None for s in samples)
     return MicroBatch(
         packed=pack_rows(rows, pad_id),
         completion_mask=mask,
         sampler_logprobs=pad([s.sampler_logprobs for s in samples]),
         ref_logprobs=pad([s.ref_logprobs for s in samples]) if has_ref else None,
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        old_logprobs=pad([s.old_logprobs for s in samples]) if has_old else None,
     )
 
 

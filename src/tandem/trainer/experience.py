@@ -68,6 +68,10 @@ class LocalExperience:
     def age(self, group: Group) -> int:
         return self.version - group.policy_version
 
+    def weights_version(self) -> int | None:
+        """The version of the weights the trainer holds now (every step makes one here)."""
+        return self.version
+
     def on_step(self, policy: torch.nn.Module, step: int) -> dict:
         self.version += 1  # one version per optimizer step, as a decoupled trainer with sync_every 1
         self._stale_copy = True  # copied lazily: several optimizer steps may share one batch
@@ -144,6 +148,7 @@ class RemoteExperience:
         self.dropped: Counter[str] = Counter()
         self.batches = 0  # batches of groups taken by this trainer process
         self._schedule = (0, 0, 1)  # (version at step 0, step of the next take, steps per batch)
+        self.stepped_since_publish = False  # the trainer's weights are past self.version
         self.publish(policy)
         if warning := open_to_strangers(p.bind_host, p.curve):
             log.warning(warning)
@@ -192,8 +197,14 @@ class RemoteExperience:
         )
         self.publisher.set_status(batches=self.batches, take_versions=takes)
 
+    def weights_version(self) -> int | None:
+        """The version of the weights the trainer holds now; None after a step that published none
+        (sync_every > 1): those weights are no version a sampler holds."""
+        return None if self.stepped_since_publish else self.version
+
     def on_step(self, policy: torch.nn.Module, step: int) -> dict:
-        if not publishes_at(step, self.cfg.pipeline.sync_every):
+        self.stepped_since_publish = not publishes_at(step, self.cfg.pipeline.sync_every)
+        if self.stepped_since_publish:
             return {}
         self.version += 1
         self._announce()  # before the new version is visible: its pacing horizon comes first

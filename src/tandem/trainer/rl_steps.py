@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from tandem.config import Config, ConfigError, config_to_dict
 from tandem.data.stream import prompt_stream
+from tandem.distributed.batches import pad_micro_batches
 from tandem.distributed.env import DistEnv, broadcast_after_waits, keep_alive, scatter_tensor_dicts
 from tandem.distributed.runtime import peak_rss_gb
 from tandem.sampler.rollout import build_rollout
@@ -56,11 +57,28 @@ class Share:
     num_micro: int  # micro-batches every rank runs this step
     padding: bool  # the samples only stand in (weight 0): this rank got no groups
     num_global: int  # sequences in the whole batch
+    # the version of the weights the trainer held when the batch was taken; None when it had
+    # updated them past the last version it published (no sampler holds those weights)
+    weights_version: int | None = None
 
     @classmethod
     def local(cls, samples: list[Sample], cfg: Config) -> Share:
         """The whole batch on one process (no process group)."""
         return scatter_share(LOCAL, samples, cfg)
+
+    def micro_batches(self, micro_batch_size: int) -> list[tuple[list[Sample], float]]:
+        """(micro-batch, weight) pairs, num_micro of them (distributed.batches.pad_micro_batches)."""
+        return pad_micro_batches(
+            split_micro_batches(self.samples, micro_batch_size),
+            self.num_micro,
+            stand_in=self.samples,
+            weight=0.0 if self.padding else 1.0,
+        )
+
+    def on_batch_weights(self, samples: list[Sample]) -> list[bool]:
+        """Which samples the weights of the batch's start made: where the trainer and the sampler
+        computed log-probs with the same weights, so that they can be compared."""
+        return [s.policy_version == self.weights_version for s in samples]
 
 
 def scatter_share(env: DistEnv, samples: list[Sample] | None, cfg: Config) -> Share:
@@ -108,7 +126,8 @@ class RankBatches:
     """Batches of groups for every rank. Rank 0 takes `prompts_per_step` groups from the experience,
     makes samples (flatten_groups: advantages rescaled per `scale_rewards`, zero-variance groups
     skipped or not) and tells the experience how many optimizer steps they make (the samplers'
-    pacing); then every rank receives its shares."""
+    pacing); then every rank receives its shares, with the version of the weights the batch was
+    taken with (Share.weights_version)."""
 
     def __init__(
         self,
@@ -132,7 +151,7 @@ class RankBatches:
             experience.expect(step, 0, self.steps_per_batch)
 
     def next(self, step: int) -> Batch:
-        batch, samples = Batch(), []
+        batch, samples, version = Batch(), [], None
         if self.env.is_main:
             groups, stats = self.experience.next_groups(
                 self.cfg.prompts_per_step, lambda: keep_alive(self.env)
@@ -141,22 +160,30 @@ class RankBatches:
             samples = flatten_groups(groups, **self.advantages)
             steps = batch_steps(self.cfg.training, len(samples), self.num_iterations, self.env.world_size)
             self.experience.expect(step, steps, self.steps_per_batch)
-        batch.shares = scatter_batch(self.env, samples, self.cfg)
+            version = self.experience.weights_version()
+        batch.shares = scatter_batch(self.env, samples, self.cfg, version)
         return batch
 
 
-def scatter_batch(env: DistEnv, samples: list[Sample], cfg: Config) -> list[Share]:
+def scatter_batch(
+    env: DistEnv, samples: list[Sample], cfg: Config, weights_version: int | None = None
+) -> list[Share]:
     """This rank's share of each optimizer batch of one batch of samples: rank 0 cuts the batch into
     optimizer batches (the last may be short; an empty batch makes one empty step) and splits each by
-    whole groups; the other ranks pass [] and receive."""
+    whole groups; the other ranks pass [] and receive. `weights_version` (rank 0's): see Share."""
     # every rank walks the same optimizer batches: rank 0 says how many sequences there are
-    num_samples = broadcast_after_waits(env, len(samples) if env.is_main else None)
+    num_samples, weights_version = broadcast_after_waits(
+        env, [len(samples), weights_version] if env.is_main else None
+    )
     tc = cfg.training
     size = tc.micro_batch_size * tc.gradient_accumulation_steps * env.world_size
-    return [
+    shares = [
         scatter_share(env, samples[first : first + size] if env.is_main else None, cfg)
         for first in range(0, max(num_samples, 1), size)
     ]
+    for share in shares:
+        share.weights_version = weights_version
+    return shares
 
 
 def open_experience(cfg: Config, env: DistEnv, engine, tokenizer, generator, device, state: dict | None):
