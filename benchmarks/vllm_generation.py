@@ -36,12 +36,19 @@ def gap(sampled: list[list[float]], trainer: list[torch.Tensor]) -> dict:
     s = torch.tensor([x for row in sampled for x in row], dtype=torch.float64)
     t = torch.cat(trainer).double()
     r = t - s
-    return {"abs_diff_mean": float(r.abs().mean()), "abs_diff_max": float(r.abs().max()),
-            "kl_k3": float((r.exp() - r - 1).mean()), "tokens": int(r.numel())}
+    return {
+        "abs_diff_mean": float(r.abs().mean()),
+        "abs_diff_max": float(r.abs().max()),
+        "kl_k3": float((r.exp() - r - 1).mean()),
+        "tokens": int(r.numel()),
+    }
 
 
-def child(dtype: str, new_tokens: int, repeats: int) -> dict:
+def child(dtype: str, new_tokens: int, repeats: int, threads: int) -> dict:
+    if threads:  # the last `threads` cores, as a sampler beside a trainer gets them
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[-threads:])
     threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
     from vllm import SamplingParams
 
     from tandem.config import VLLMSpec
@@ -73,15 +80,21 @@ def child(dtype: str, new_tokens: int, repeats: int) -> dict:
 
     def ours(seed):
         out = generate_groups(
-            model, prompts, num_generations=GROUP, max_new_tokens=new_tokens, eos_token_ids=[-1],
-            pad_token_id=tokenizer.pad_token_id or 0, batch_size=PROMPTS * GROUP,
+            model,
+            prompts,
+            num_generations=GROUP,
+            max_new_tokens=new_tokens,
+            eos_token_ids=[-1],
+            pad_token_id=tokenizer.pad_token_id or 0,
+            batch_size=PROMPTS * GROUP,
             generator=torch.Generator().manual_seed(seed),
         )
         return out.token_ids, out.logprobs
 
     def vllm(seed):
-        params = SamplingParams(n=GROUP, max_tokens=new_tokens, ignore_eos=True, logprobs=0, seed=seed,
-                                detokenize=False)
+        params = SamplingParams(
+            n=GROUP, max_tokens=new_tokens, ignore_eos=True, logprobs=0, seed=seed, detokenize=False
+        )
         outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         ids = [list(o.token_ids) for r in outs for o in r.outputs]
         lps = [[s[t].logprob for s, t in zip(o.logprobs, o.token_ids)] for r in outs for o in r.outputs]
@@ -90,11 +103,19 @@ def child(dtype: str, new_tokens: int, repeats: int) -> dict:
     def hf(seed):
         torch.manual_seed(seed)
         batch = tokenizer.pad(
-            {"input_ids": [p for p in prompts for _ in range(GROUP)]}, return_tensors="pt", padding_side="left"
+            {"input_ids": [p for p in prompts for _ in range(GROUP)]},
+            return_tensors="pt",
+            padding_side="left",
         )
-        out = model.generate(**batch, do_sample=True, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             top_k=0, pad_token_id=tokenizer.pad_token_id or 0)
-        return out[:, batch["input_ids"].shape[1]:].tolist(), None
+        out = model.generate(
+            **batch,
+            do_sample=True,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            top_k=0,
+            pad_token_id=tokenizer.pad_token_id or 0,
+        )
+        return out[:, batch["input_ids"].shape[1] :].tolist(), None
 
     engines = {"tandem": ours, "vllm": vllm, "hf_generate": hf}
     rates: dict[str, list[float]] = {name: [] for name in engines}
@@ -135,11 +156,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="cores per engine (0: all; 1: a sampler's share here)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     add_out_arguments(parser, "vllm_generation")
     args = parser.parse_args()
+    name = "vllm_generation" if not args.threads else f"vllm_generation_{args.threads}thread"
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args.new_tokens, args.repeats)))
+        print("RESULT " + json.dumps(child(args.child, args.new_tokens, args.repeats, args.threads)))
         return
     results = {
         "model": "embedded SmolLM2-135M-Instruct",
@@ -148,15 +173,25 @@ def main() -> None:
         + ("cuda" if torch.cuda.is_available() else "cpu"),
     }
     for dtype in args.dtypes.split(","):
-        cmd = [sys.executable, __file__, "--child", dtype, "--new-tokens", str(args.new_tokens),
-               "--repeats", str(args.repeats)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            dtype,
+            "--new-tokens",
+            str(args.new_tokens),
+            "--repeats",
+            str(args.repeats),
+            "--threads",
+            str(args.threads),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode or line is None:
             sys.exit(f"{dtype} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         results[dtype] = json.loads(line.removeprefix("RESULT "))
         print(dtype, json.dumps(results[dtype], indent=1))
-    out = results_file(args, "vllm_generation")
+    out = results_file(args, name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"results in {out}")

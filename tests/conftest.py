@@ -30,7 +30,9 @@ def pytest_collection_modifyitems(config, items):
     installed, unless TANDEM_REQUIRE_VLLM=1 (`make test` where `make setup` installed it)."""
     skips = {}
     if not torch.cuda.is_available():
-        skips["gpu"] = pytest.mark.skip(reason="needs a CUDA device (make gpu-check runs these on a GPU machine)")
+        skips["gpu"] = pytest.mark.skip(
+            reason="needs a CUDA device (make gpu-check runs these on a GPU machine)"
+        )
     if os.environ.get("TANDEM_REQUIRE_VLLM") != "1" and not vllm_available():
         skips["vllm"] = pytest.mark.skip(reason="needs vLLM (make setup-vllm; or pip install -e .[vllm])")
     for item in items:

@@ -68,7 +68,9 @@ def main(model_dir: str, out_path: str) -> None:
     result["lengths"] = [len(t) for t in gen.token_ids]
     result["finished"] = gen.finished
     result["ends_in_eos"] = [bool(t) and t[-1] == eos for t in gen.token_ids]
-    result["distinct_in_group"] = [len({tuple(t) for t in gen.token_ids[p * 4 : p * 4 + 4]}) for p in range(3)]
+    result["distinct_in_group"] = [
+        len({tuple(t) for t in gen.token_ids[p * 4 : p * 4 + 4]}) for p in range(3)
+    ]
     result["generation_logprob_max_diff"] = max(
         max_diff(lp, hf_logprobs(hf, prompts[i // 4], ids, TEMPERATURE))
         for i, (ids, lp) in enumerate(zip(gen.token_ids, gen.logprobs))

@@ -244,7 +244,9 @@ class VLLMSpec:
     gpu_memory_utilization: float = 0.7  # of the sampler's GPU; the rest holds the reference and rewards
     max_model_len: int = 0  # 0 = the longest prompt budget + sampling.max_new_tokens, at least 1024
     tensor_parallel_size: int = 1  # GPUs per engine (the sampler's devices); > 1 starts vLLM's workers
-    enforce_eager: bool | None = None  # None: true on the CPU (compiling costs more than it gains), false on GPUs
+    enforce_eager: bool | None = (
+        None  # None: true on the CPU (compiling costs more than it gains), false on GPUs
+    )
     enable_prefix_caching: bool = True  # a group's prompt is computed once for its G completions
     cpu_kvcache_space_gib: float = 0.0  # CPU only: KV cache size; 0 = what batch_size x max_model_len needs
     # CPU only: the cores the engine's threads are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND):
@@ -269,9 +271,6 @@ class VLLMSpec:
 
 @dataclass
 class SamplingConfig:
-    # the generation engine of the sampler: tandem (our batched loop, the faster one on a CPU) or
-    # vllm (paged attention, continuous batching, CUDA graphs; `pip install tandem[vllm]` on GPUs)
-    backend: Literal["tandem", "vllm"] = "tandem"
     num_generations: int = 4  # G completions per prompt (group size)
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -280,6 +279,9 @@ class SamplingConfig:
     dtype: Dtype = "bfloat16"  # rollout copy of the policy
     batch_size: int = 32  # sequences per generation call
     num_threads: int = 0  # sampler process CPU threads, 0 = split the cores with the trainer
+    # the sampler's generation engine: tandem (our batched loop; needs nothing more) or vllm (paged
+    # attention, continuous batching, CUDA graphs, prefix caching; `pip install -e .[vllm]` on GPUs)
+    backend: Literal["tandem", "vllm"] = "tandem"
     vllm: VLLMSpec = field(default_factory=VLLMSpec)
 
     def check(self, key: str = "sampling") -> None:

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.config import Config, ConfigError
+from tandem.sampler.vllm_engine import cpu_cores
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class Child:
     log_path: Path | None = None  # None: share the launcher's terminal
     gpus: str | None = None  # the CVD the process (each of its ranks) runs with; None: the CPU
     where: str = ""  # where it runs, in words (the dry run's heading)
+    note: str = ""  # said when it starts (vLLM's pinned cores on the CPU)
     proc: subprocess.Popen | None = None
     restarts: int = 0  # how many times the launcher has started it again
     restart_at: float | None = None  # monotonic time of the next start after a death (back-off)
@@ -240,6 +242,11 @@ def plan(
         if dev == "cpu":
             child.cmd += ["--device", "cpu"]
             child.where = "1 process on the CPU"
+            if cfg.sampling.backend == "vllm":  # vLLM pins its threads: say where, beside the trainer's
+                threads = cfg.sampling.num_threads or threads
+                bind = cpu_cores(cfg.sampling.vllm.cpu_threads_bind, threads)
+                child.note = f"vLLM's threads bound to cores {bind} (sampling.vllm.cpu_threads_bind)"
+                child.where += f", {child.note}"
         else:
             child.env[CVD] = child.gpus = dev
             child.cmd += ["--device", "cuda:0"]
@@ -488,7 +495,8 @@ class Launcher:
             out.close()
         where = f" (log: {child.log_path})" if child.log_path else ""
         again = f" again (restart {child.restarts})" if child.restarts else ""
-        log.info("started %s%s, pid %d%s", child.name, again, child.proc.pid, where)
+        note = f"; {child.note}" if child.note else ""
+        log.info("started %s%s, pid %d%s%s", child.name, again, child.proc.pid, where, note)
 
     def signal_all(self, sig: int) -> None:
         for child in self.children:
