@@ -362,19 +362,72 @@ class RewardModelConfig:
 
 @dataclass
 class SafeMMConfig:
-    """Safe-MM-DPO: DPO whose per-pair margin adds the reward models' score gaps (algorithms/dpo.py)."""
+    """Safe-MM-DPO (algorithms/dpo.py): two frozen reward models score every pair once, then
+    `lagrangian` (the authors': MM-DPO's margin-scaled beta on a helpful and a harmless loss, mixed by
+    a Lagrange multiplier that follows the policy's expected cost) or `margin` (one DPO loss whose
+    per-pair margin adds the weighted score gaps and a safety offset)."""
 
     helpful_model: str | None = (
         None  # a `tandem rm` folder (task helpful); None with harmless_model = plain DPO
     )
-    harmless_model: str | None = None  # a `tandem rm` folder (task harmless)
-    helpful_weight: float = 1.0
-    harmless_weight: float = 1.0
-    safety_margin: float = 0.0  # added to the margin of pairs whose chosen answer is the safer one
+    harmless_model: str | None = None  # a `tandem rm` folder (task harmless): the cost model, C = -S
+    variant: Literal["lagrangian", "margin"] = "lagrangian"
+    # lagrangian (the origin's names: w, k, λ_init, λ_lr, cost_threshold; beta is dpo.beta = β_ori)
+    w: float = 0.5  # beta(δ) = beta (1 + w (1 - exp(-k |δ|))): up to (1 + w) beta on sure pairs
+    k: float = 0.5
+    lambda_init: float = 1.0  # the Lagrange multiplier's start; L = (L_H + λ L_S) / (1 + λ)
+    lambda_lr: float = 0.01  # ln λ += lambda_lr * λ * J_C after each optimizer step
+    lambda_min: float = 1e-6
+    lambda_max: float = 10.0
+    cost_threshold: float = 0.0  # d in J_C = E[C] + d: λ falls once the expected cost is below -d
+    cost_ema_decay: float = 0.95  # J_C is smoothed: ema = decay * ema + (1 - decay) * batch
+    # margin: m = helpful_weight Δh + harmless_weight Δs + safety_margin 1[chosen safer]
+    # (null: 1.0, 1.0, 0.0; set only with variant margin)
+    helpful_weight: float | None = None
+    harmless_weight: float | None = None
+    safety_margin: float | None = None
 
     @property
     def enabled(self) -> bool:
         return self.helpful_model is not None or self.harmless_model is not None
+
+    def check(self, key: str = "dpo.safe_mm") -> None:
+        _check(
+            self,
+            key,
+            w=_at_least(0),
+            k=_at_least(0),
+            lambda_min=_above(0),
+            lambda_init=_above(0),
+            lambda_lr=_at_least(0),
+            cost_ema_decay=_within(0, 1, open_high=True),
+        )
+        if self.lambda_max < self.lambda_min:
+            raise ConfigError(
+                f"`{key}.lambda_max` is {self.lambda_max}, below lambda_min {self.lambda_min}; raise it"
+            )
+        if not self.lambda_min <= self.lambda_init <= self.lambda_max:
+            raise ConfigError(
+                f"`{key}.lambda_init` is {self.lambda_init}; it must lie in [lambda_min, lambda_max] = "
+                f"[{self.lambda_min}, {self.lambda_max}]"
+            )
+        if not self.enabled or self.variant != "lagrangian":
+            return
+        margin_keys = [
+            n for n in ("helpful_weight", "harmless_weight", "safety_margin") if getattr(self, n) is not None
+        ]
+        if margin_keys:
+            raise ConfigError(
+                f"`{key}.{margin_keys[0]}` is set but `{key}.variant` is lagrangian, which has no fixed "
+                f"margin; set {key}.variant: margin to use it, or remove it"
+            )
+        for name in ("helpful_model", "harmless_model"):
+            if getattr(self, name) is None:
+                raise ConfigError(
+                    f"`{key}.{name}` is unset; variant lagrangian needs both reward models (the helpful "
+                    f"margins and the harmless model's costs): give the final/ folder of `tandem rm "
+                    f"configs/rm_{name.split('_')[0]}.yaml`"
+                )
 
 
 @dataclass
@@ -398,6 +451,7 @@ class DPOConfig:
             beta=_above(0),
             label_smoothing=_within(0, 0.5, open_high=True),
         )
+        self.safe_mm.check(join(key, "safe_mm"))
 
 
 @dataclass
@@ -684,8 +738,15 @@ class Config:
             validate_batch(self)
         if self.method == "dpo" and self.dpo.safe_mm.enabled and self.dpo.loss_type != "sigmoid":
             raise ConfigError(
-                "`dpo.safe_mm` is set with dpo.loss_type=ipo; Safe-MM-DPO's margin is defined for the "
+                "`dpo.safe_mm` is set with dpo.loss_type=ipo; Safe-MM-DPO is defined for the "
                 "sigmoid loss: set dpo.loss_type=sigmoid"
+            )
+        safe_mm = self.dpo.safe_mm
+        lagrangian = self.method == "dpo" and safe_mm.enabled and safe_mm.variant == "lagrangian"
+        if lagrangian and self.dpo.label_smoothing:
+            raise ConfigError(
+                f"`dpo.label_smoothing` is {self.dpo.label_smoothing} with dpo.safe_mm.variant="
+                "lagrangian, whose two losses have no smoothing: set it to 0 (or variant margin)"
             )
 
 
@@ -758,9 +819,10 @@ def load_config(
         raw = read_yaml(path)
     from tandem.config_aliases import read_seed_keys, read_seed_overrides
 
-    # seed/HF key names (config_aliases.py): the file's first, then the overrides', which win
-    raw, notes = read_seed_keys(raw)
-    overrides, override_notes = read_seed_overrides(list(overrides), apply_overrides(raw, overrides))
+    # seed/HF key names (config_aliases.py): the file's first, then the overrides', which win (a
+    # name may mean different keys per method, `beta`: they see the command's method)
+    raw, notes = read_seed_keys(raw, method)
+    overrides, override_notes = read_seed_overrides(list(overrides), apply_overrides(raw, overrides), method)
     for note in notes + override_notes:
         log.info(note)
     merged = apply_overrides(raw, overrides)

@@ -139,6 +139,17 @@ def _eval_strategy(name: str) -> Callable[[Any, dict], Assignments]:
     return read
 
 
+def _beta(value: Any, raw: dict) -> Assignments:
+    """A flat `beta`: DPO's beta in a dpo config (the Safe-MM-DPO origin's and TRL's DPOConfig), the
+    KL coefficient in a grpo one (TRL's GRPOConfig)."""
+    method = raw.get("method", "grpo")
+    if method == "dpo":
+        return [("dpo.beta", value)]
+    if method == "grpo":
+        return [("grpo.kl_coef", value)]
+    raise ConfigError(f"`beta` means nothing to a {method} run; remove it")
+
+
 def _refuse(name: str, fix: str) -> Callable[[Any, dict], Assignments]:
     def read(value: Any, raw: dict) -> Assignments:
         raise ConfigError(f"`{name}` is not a tandem setting; {fix}")
@@ -165,6 +176,14 @@ SEED_KEYS: dict[str, Callable[[Any, dict], Assignments]] = {
     "evaluation_strategy": _eval_strategy("evaluation_strategy"),
     "run_name": _same("experiment_name"),
     "gen_update_steps": _same("pipeline.sync_every"),  # the seeds' weight-sync interval
+    # the Safe-MM-DPO origin's flat names (NephrenLuca/mmdpo-alignment configs/dpo_config.yaml)
+    "β_ori": _same("dpo.beta"),
+    "beta": _beta,
+    "w": _same("dpo.safe_mm.w"),
+    "k": _same("dpo.safe_mm.k"),
+    "λ_init": _same("dpo.safe_mm.lambda_init"),
+    "λ_lr": _same("dpo.safe_mm.lambda_lr"),
+    "cost_threshold": _same("dpo.safe_mm.cost_threshold"),
     "per_device_eval_batch_size": _refuse(
         "per_device_eval_batch_size", "held-out batches use training.micro_batch_size: remove it"
     ),
@@ -176,7 +195,7 @@ SEED_KEYS: dict[str, Callable[[Any, dict], Assignments]] = {
 }
 
 
-def read_seed_keys(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def read_seed_keys(raw: dict[str, Any], method: str | None = None) -> tuple[dict[str, Any], list[str]]:
     """Return a copy of the raw config with every seed/HF key replaced by tandem's, and one note
     per key ("`training.bf16: true` is read as `training.mixed_precision: bf16`"). A key set both
     ways with different values is refused, naming both."""
@@ -189,7 +208,8 @@ def read_seed_keys(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     for prefix, section in sections:
         for name in [k for k in section if k in SEED_KEYS]:
             value = section.pop(name)
-            assignments = SEED_KEYS[name](value, out)
+            context = out if method is None or "method" in out else {**out, "method": method}
+            assignments = SEED_KEYS[name](value, context)
             for key, new in assignments:
                 have = _get_dotted(out, key)
                 if key in explicit and have != new:
@@ -204,7 +224,9 @@ def read_seed_keys(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return out, notes
 
 
-def read_seed_overrides(overrides: list[str], raw: dict[str, Any]) -> tuple[list[str], list[str]]:
+def read_seed_overrides(
+    overrides: list[str], raw: dict[str, Any], method: str | None = None
+) -> tuple[list[str], list[str]]:
     """Translate `key=value` overrides that use a seed/HF name into tandem overrides (a command-line
     value wins over the file, whichever name either uses); `raw` is the config they apply to."""
     import json
@@ -220,7 +242,8 @@ def read_seed_overrides(overrides: list[str], raw: dict[str, Any]) -> tuple[list
             out.append(item)
             continue
         value = yaml.safe_load(text)
-        assignments = SEED_KEYS[name](value, raw)
+        context = raw if method is None or "method" in raw else {**raw, "method": method}
+        assignments = SEED_KEYS[name](value, context)
         out += [f"{k}={json.dumps(v)}" for k, v in assignments]
         read_as = ", ".join(f"`{k}={_show(v)}`" for k, v in assignments) or "nothing (the default)"
         notes.append(f"`{key.strip()}={text}` is read as {read_as}")

@@ -104,6 +104,27 @@ def _plot_accuracy(name: str, steps: np.ndarray, rows: list[dict], smooth: int) 
     return fig
 
 
+def _plot_safe_mm(name: str, steps: np.ndarray, rows: list[dict], smooth: int) -> Figure | None:
+    """Safe-MM-DPO (lagrangian): the origin's four curves, L_H, L_S, lambda and J_C, one panel each."""
+    panels = [
+        ("loss_helpful", "L_H (helpful)"),
+        ("loss_harmless", "L_S (harmless)"),
+        ("lambda", "lambda"),
+        ("cost_ema", "J_C (smoothed)"),
+    ]
+    series = [(field, label, _series(rows, field)) for field, label in panels]
+    if series[2][2] is None:
+        return None
+    fig, axes = _new_figure(len(panels))
+    for ax, (field, label, values) in zip(axes, series):
+        if values is not None:
+            _line(ax, steps, values, field, smooth)
+        ax.set(ylabel=label)
+    axes[3].axhline(0.0, color="grey", linewidth=0.8)  # lambda rises above this line, falls below
+    axes[0].set_title(f"{name}: Safe-MM-DPO losses, multiplier and cost")
+    return fig
+
+
 def _single(
     field: str, title: str, ylabel: str
 ) -> Callable[[str, np.ndarray, list[dict], int], Figure | None]:
@@ -225,6 +246,7 @@ FIGURES = {
         "margin",
     ),
     "value.png": _overlay(("value_loss", "explained_variance"), "critic", "value"),
+    "safe_mm.png": _plot_safe_mm,
 }
 
 

@@ -1,6 +1,8 @@
 """`tandem dpo` on a tiny random model: the first step against an independent DPO from raw logits, learning,
-precompute == online, Safe-MM-DPO margins from independently scored reward models, 2 ranks == 1,
-resume == uninterrupted, and LoRA whose reference is the base under the adapters."""
+precompute == online, Safe-MM-DPO (lagrangian: the first step and lambda against an independent
+computation, lambda's recurrence over steps; margin: margins from independently scored reward models),
+2 ranks == 1 (lambda included), resume == uninterrupted (lambda and its EMA bit for bit), and LoRA whose
+reference is the base under the adapters."""
 
 from __future__ import annotations
 
@@ -14,13 +16,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from test_distributed import ROOT, torchrun
 
-from tandem.algorithms.dpo import safe_mm_margin
+from tandem.algorithms.dpo import lagrange_update, safe_mm_margin
 from tandem.config import ConfigError, load_config
 from tandem.data.preferences import encode_answer, encode_pair, encode_prompt, load_preferences
 from tandem.distributed.env import DistEnv
 from tandem.models.loading import load_causal_lm, load_tokenizer
 from tandem.models.lora import BaseOfAdapter, apply_lora
-from tandem.trainer.dpo import build_reference, reward_margins, train_dpo
+from tandem.trainer.dpo import build_reference, margins_of, reward_scores, train_dpo
 from tandem.trainer.metrics import SUPERVISED_FIELDS
 
 LOG2 = math.log(2.0)
@@ -79,18 +81,7 @@ def rm_score(model, tokenizer, prompt: list[dict], answer: str) -> float:
 
 
 def independent_margins(pairs, helpful_dir, harmless_dir, **weights_and_offset) -> torch.Tensor:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    scores = []
-    for folder in (helpful_dir, harmless_dir):
-        model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        scores.append(
-            torch.tensor(
-                [[rm_score(model, tokenizer, p.prompt, a) for a in (p.chosen, p.rejected)] for p in pairs]
-            )
-        )
-    (helpful, harmless) = scores
+    helpful, harmless = (reward_scores_by_hf(pairs, folder) for folder in (helpful_dir, harmless_dir))
     safer = torch.tensor(
         [
             p.chosen_is_safer if p.chosen_is_safer is not None else bool(s[0] > s[1])
@@ -113,6 +104,7 @@ def safe_mm_overrides(reward_model_dirs) -> list[str]:
         "dpo.task=mixed",
         f"dpo.safe_mm.helpful_model={helpful}",
         f"dpo.safe_mm.harmless_model={harmless}",
+        "dpo.safe_mm.variant=margin",
         "dpo.safe_mm.helpful_weight=1.0",
         "dpo.safe_mm.harmless_weight=0.5",
         "dpo.safe_mm.safety_margin=0.3",
@@ -120,6 +112,36 @@ def safe_mm_overrides(reward_model_dirs) -> list[str]:
 
 
 SAFE_MM_WEIGHTS = {"helpful_weight": 1.0, "harmless_weight": 0.5, "safety_margin": 0.3}
+# lagrangian: a steep beta (k) and a fast multiplier so that a few steps move both visibly
+LAGRANGE = {
+    "w": 0.5,
+    "k": 2.0,
+    "lambda_init": 0.5,
+    "lambda_lr": 0.05,
+    "cost_threshold": 0.1,
+    "cost_ema_decay": 0.9,
+}
+
+
+def lagrangian_overrides(reward_model_dirs) -> list[str]:
+    helpful, harmless = reward_model_dirs
+    return [
+        "dpo.task=mixed",
+        f"dpo.safe_mm.helpful_model={helpful}",
+        f"dpo.safe_mm.harmless_model={harmless}",
+        *(f"dpo.safe_mm.{k}={v}" for k, v in LAGRANGE.items()),
+    ]
+
+
+def reward_scores_by_hf(pairs, folder) -> torch.Tensor:
+    """[N, 2] scores (chosen, rejected) by HF's own sequence-classification forward, one answer at a time."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return torch.tensor(
+        [[rm_score(model, tokenizer, p.prompt, a) for a in (p.chosen, p.rejected)] for p in pairs]
+    )
 
 
 # --------------------------------------------------------------------------- tests
@@ -229,7 +251,7 @@ def test_safe_mm_margins_equal_the_reward_models_scored_independently(
     cfg = dpo_config(tiny_model_dir, tmp_path, "margins", *safe_mm_overrides(reward_model_dirs))
     pairs = load_preferences("synthetic", "train", task="mixed", num_examples=12, seed=3)
     assert {p.chosen_is_safer for p in pairs} == {True, False, None}  # refusals, needless refusals, maths
-    margins = reward_margins(cfg, pairs, DistEnv(), torch.device("cpu"))
+    margins = margins_of(cfg, pairs, *reward_scores(cfg, pairs, DistEnv(), torch.device("cpu")))
     expected = independent_margins(pairs, *reward_model_dirs, **SAFE_MM_WEIGHTS)
     torch.testing.assert_close(margins, expected, rtol=0, atol=1e-5)
     assert expected.abs().max() > 0.1  # the score heads are not trivially zero
@@ -250,16 +272,148 @@ def test_safe_mm_dpo_run_uses_the_margins_and_trains(tiny_model_dir, tmp_path, r
     assert "eval_margin_mean" in rows[-1] and math.isfinite(rows[-1]["eval_loss"])
 
 
+def test_safe_mm_lagrangian_first_step_equals_an_independent_computation(
+    tiny_model_dir, tmp_path, reward_model_dirs
+):
+    """Policy != reference: the logged loss, L_H, L_S, mean betas, expected cost, J_C and lambda after
+    the first step equal the authors' formulas computed here from plain forwards and HF-scored reward
+    models (README: Safe-MM-DPO, variant lagrangian)."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import make_tiny_model_dir
+
+    reference_dir = make_tiny_model_dir(tmp_path / "reference", seed=1)
+    cfg = dpo_config(
+        tiny_model_dir,
+        tmp_path,
+        "lag1",
+        f"model.reference={reference_dir}",
+        *lagrangian_overrides(reward_model_dirs),
+    )
+    train_dpo(cfg)
+    (row,) = rows_of(tmp_path / "lag1")
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir).eval()
+    pairs = load_preferences("synthetic", "train", task="mixed", num_examples=8, seed=3)
+    helpful, harmless = (reward_scores_by_hf(pairs, folder) for folder in reward_model_dirs)
+    beta, w, k, lam = 0.1, LAGRANGE["w"], LAGRANGE["k"], LAGRANGE["lambda_init"]
+    loss_h, loss_s, beta_h, beta_s, costs = [], [], [], [], []
+    for i, pair in enumerate(pairs):
+        e = encode_pair(tokenizer, pair, 512)
+        pc, pr = (sequence_logp(policy, e.prompt_ids, a) for a in (e.chosen_ids, e.rejected_ids))
+        rc, rr = (sequence_logp(reference, e.prompt_ids, a) for a in (e.chosen_ids, e.rejected_ids))
+        d = (pc - rc) - (pr - rr)
+        bh = beta * (1 + w * (1 - math.exp(-k * abs(float(helpful[i, 0] - helpful[i, 1])))))
+        bs = beta * (1 + w * (1 - math.exp(-k * abs(float(harmless[i, 0] - harmless[i, 1])))))
+        beta_h.append(bh)
+        beta_s.append(bs)
+        loss_h.append(math.log1p(math.exp(-bh * d)))
+        loss_s.append(math.log1p(math.exp(-bs * d)))
+        # the policy's preference between its answers: softmax of the length-normalised log-probs
+        mc, mr = pc / len(e.chosen_ids), pr / len(e.rejected_ids)
+        p_chosen = 1 / (1 + math.exp(mr - mc))
+        costs.append(p_chosen * -float(harmless[i, 0]) + (1 - p_chosen) * -float(harmless[i, 1]))
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    assert row["loss_helpful"] == pytest.approx(mean(loss_h), rel=1e-5)
+    assert row["loss_harmless"] == pytest.approx(mean(loss_s), rel=1e-5)
+    assert row["loss"] == pytest.approx((mean(loss_h) + lam * mean(loss_s)) / (1 + lam), rel=1e-5)
+    assert row["beta_helpful_mean"] == pytest.approx(mean(beta_h), rel=1e-6)
+    assert row["beta_harmless_mean"] == pytest.approx(mean(beta_s), rel=1e-6)
+    assert beta < min(beta_h + beta_s) and max(beta_h + beta_s) < (1 + w) * beta  # betas really vary
+    assert row["expected_cost"] == pytest.approx(mean(costs), abs=1e-5)
+    j_c = mean(costs) + LAGRANGE["cost_threshold"]  # the EMA starts at the first batch's value
+    assert row["cost_ema"] == pytest.approx(j_c, abs=1e-5)
+    expected_lambda = math.exp(math.log(lam) + LAGRANGE["lambda_lr"] * lam * j_c)
+    assert row["lambda"] == pytest.approx(expected_lambda, rel=1e-5)
+    assert abs(row["lambda"] - lam) > 1e-3  # it moved
+    assert "margin_mean" not in row and math.isfinite(row["eval_loss_harmless"])
+
+
+def test_safe_mm_lambda_follows_its_recurrence_and_its_cost(tiny_model_dir, tmp_path, reward_model_dirs):
+    """Over 5 steps: cost_ema is the EMA of (expected_cost + threshold), lambda the log-space update
+    from it, and each step's loss mixes that step's L_H and L_S with the lambda before its update."""
+    cfg = dpo_config(
+        tiny_model_dir,
+        tmp_path,
+        "lagrec",
+        "data.num_examples=16",
+        "training.max_steps=5",
+        "training.micro_batch_size=4",
+        "training.gradient_accumulation_steps=1",
+        *lagrangian_overrides(reward_model_dirs),
+    )
+    train_dpo(cfg)
+    rows = rows_of(tmp_path / "lagrec")
+    lam, ema, decay = LAGRANGE["lambda_init"], None, LAGRANGE["cost_ema_decay"]
+    for row in rows:
+        mixed = (row["loss_helpful"] + lam * row["loss_harmless"]) / (1 + lam)
+        assert row["loss"] == pytest.approx(mixed, rel=1e-6)
+        batch = row["expected_cost"] + LAGRANGE["cost_threshold"]
+        ema = batch if ema is None else decay * ema + (1 - decay) * batch
+        lam = lagrange_update(lam, ema, lr=LAGRANGE["lambda_lr"])
+        assert row["cost_ema"] == pytest.approx(ema, rel=1e-12)
+        assert row["lambda"] == pytest.approx(lam, rel=1e-12)
+    # lambda moves with the sign of the smoothed cost (and stays inside its clamp)
+    assert all((b["lambda"] > a["lambda"]) == (b["cost_ema"] > 0) for a, b in zip(rows, rows[1:]))
+    assert all(1e-6 < r["lambda"] < 10 for r in rows)
+    assert len({r["expected_cost"] for r in rows}) > 1  # batches (and the policy) differ
+
+
+def test_safe_mm_lagrangian_resume_restores_lambda_bit_for_bit(tiny_model_dir, tmp_path, reward_model_dirs):
+    common = (
+        "data.num_examples=16",
+        "training.micro_batch_size=2",
+        "training.gradient_accumulation_steps=2",
+        *lagrangian_overrides(reward_model_dirs),
+    )
+    straight = train_dpo(dpo_config(tiny_model_dir, tmp_path, "straight", "training.max_steps=4", *common))
+    train_dpo(
+        dpo_config(
+            tiny_model_dir, tmp_path, "resumed", "training.max_steps=2", "training.save_steps=2", *common
+        )
+    )
+    resumed = train_dpo(
+        dpo_config(
+            tiny_model_dir,
+            tmp_path,
+            "resumed",
+            "training.max_steps=4",
+            "training.save_steps=2",
+            "training.resume_from_checkpoint=latest",
+            *common,
+        )
+    )
+    a, b = weights(straight), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+    rows_a, rows_b = rows_of(tmp_path / "straight"), rows_of(tmp_path / "resumed")
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
+    for ra, rb in zip(rows_a, rows_b, strict=True):
+        assert (ra["lambda"], ra["cost_ema"], ra["loss"]) == (rb["lambda"], rb["cost_ema"], rb["loss"])
+    assert rows_a[-1]["lambda"] != LAGRANGE["lambda_init"]
+
+
 @pytest.mark.slow
-def test_two_ddp_ranks_equal_one_rank(tiny_model_dir, tmp_path, reward_model_dirs):
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["training.distributed_strategy=ddp"],
+        ["training.distributed_strategy=deepspeed", "training.zero_stage=3"],
+    ],
+    ids=["ddp", "zero3"],
+)
+def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, reward_model_dirs, strategy):
     """`torchrun --nproc-per-node 2 -m tandem.cli dpo`: 13 pairs in global batches of 8 (the second
-    one short and uneven over the ranks), 3 eval pairs, Safe-MM margins scored on both ranks."""
+    one short and uneven over the ranks), 3 eval pairs, Safe-MM-DPO (lagrangian) with the reward
+    models scoring on both ranks. Equal weights also show that both ranks used the same lambda: each
+    rank scales its own gradients with it before they are averaged."""
     common = [
         "data.num_examples=13",
         "data.num_eval_examples=3",
         "training.max_steps=3",
         "training.micro_batch_size=2",
-        *safe_mm_overrides(reward_model_dirs),
+        *lagrangian_overrides(reward_model_dirs),
     ]
     one = train_dpo(
         dpo_config(tiny_model_dir, tmp_path, "one", *common, "training.gradient_accumulation_steps=4")
@@ -274,21 +428,23 @@ def test_two_ddp_ranks_equal_one_rank(tiny_model_dir, tmp_path, reward_model_dir
         "training.num_epochs=100",
         "training.save_steps=0",
         "training.device=cpu",
-        "training.distributed_strategy=ddp",
+        *strategy,
         "training.gradient_accumulation_steps=2",
         *common,
     ]
+    if "deepspeed" in strategy[0]:
+        pytest.importorskip("deepspeed")
     torchrun(2, "-m", "tandem.cli", "dpo", *overrides)
     a, b = weights(one), weights(tmp_path / "two" / "final")
     for name, value in a.items():
         torch.testing.assert_close(b[name], value, rtol=0, atol=2e-6, msg=name)
     assert all(r["world_size"] == 2 and r["num_pairs"] in (8, 5) for r in rows_of(tmp_path / "two"))
     for ra, rb in zip(rows_of(tmp_path / "one"), rows_of(tmp_path / "two"), strict=True):
-        for key in ("loss", "reward_margin", "grad_norm"):
+        for key in ("loss", "loss_helpful", "loss_harmless", "reward_margin", "grad_norm"):
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), key
-        # reward-model scores of the same answers in differently padded batches: fp32 rounding of the
-        # scores (~0.1) is ~1e-7 each, and the mean margin (~0.007) is a difference of such scores
-        assert rb["margin_mean"] == pytest.approx(ra["margin_mean"], abs=1e-6)
+        # reward-model scores of the same answers in differently padded batches: fp32 rounding
+        for key in ("expected_cost", "cost_ema", "lambda", "beta_harmless_mean"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-6), key
     assert rows_of(tmp_path / "two")[-1]["eval_loss"] == pytest.approx(
         rows_of(tmp_path / "one")[-1]["eval_loss"], rel=1e-5
     )
@@ -360,7 +516,13 @@ def test_lora_reference_is_the_base_under_the_adapters(tiny_model_dir, tmp_path,
 
 
 def test_a_missing_reward_model_is_a_config_error(tiny_model_dir, tmp_path):
-    cfg = dpo_config(tiny_model_dir, tmp_path, "missing", f"dpo.safe_mm.harmless_model={tmp_path / 'nope'}")
+    cfg = dpo_config(
+        tiny_model_dir,
+        tmp_path,
+        "missing",
+        f"dpo.safe_mm.helpful_model={tiny_model_dir}",
+        f"dpo.safe_mm.harmless_model={tmp_path / 'nope'}",
+    )
     with pytest.raises(ConfigError, match=r"dpo\.safe_mm\.harmless_model.*tandem rm"):
         train_dpo(cfg)
 
@@ -371,3 +533,6 @@ def test_shipped_configs_are_dpo_and_safe_mm_dpo():
     assert not plain.dpo.safe_mm.enabled and plain.data.dataset == "synthetic"
     assert safe.dpo.task == "mixed" and safe.dpo.safe_mm.helpful_model == "runs/rm_helpful/final"
     assert safe.dpo.safe_mm.harmless_model == "runs/rm_harmless/final"
+    assert safe.dpo.safe_mm.variant == "lagrangian"
+    margin = load_config(ROOT / "configs" / "safe_mm_dpo_margin_tiny.yaml", method="dpo")
+    assert margin.dpo.safe_mm.variant == "margin" and margin.dpo.safe_mm.safety_margin == 0.5

@@ -289,3 +289,38 @@ def test_ppo_refuses_two_different_prompts_per_step():
 def test_the_batch_check_names_the_prompts_key_in_effect():
     with pytest.raises(ConfigError, match=r"one step samples ppo.prompts_per_step \* sampling"):
         load_config(None, ["ppo.prompts_per_step=3", "training.micro_batch_size=8"], method="ppo")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["dpo.safe_mm.harmless_model=h"], r"dpo\.safe_mm\.helpful_model.*both reward models"),
+        (["dpo.safe_mm.helpful_model=h"], r"dpo\.safe_mm\.harmless_model.*both reward models"),
+        (
+            ["dpo.safe_mm.helpful_model=h", "dpo.safe_mm.harmless_model=s", "dpo.safe_mm.safety_margin=0.5"],
+            r"dpo\.safe_mm\.safety_margin.*variant: margin",
+        ),
+        (["dpo.safe_mm.lambda_init=20"], r"dpo\.safe_mm\.lambda_init.*lambda_min, lambda_max"),
+        (["dpo.safe_mm.lambda_min=0"], r"dpo\.safe_mm\.lambda_min"),
+        (["dpo.safe_mm.cost_ema_decay=1"], r"dpo\.safe_mm\.cost_ema_decay"),
+        (["dpo.safe_mm.variant=lagrange"], r"dpo\.safe_mm\.variant.*lagrangian, margin"),
+        (
+            ["dpo.safe_mm.helpful_model=h", "dpo.safe_mm.harmless_model=s", "dpo.label_smoothing=0.1"],
+            r"dpo\.label_smoothing.*lagrangian",
+        ),
+    ],
+)
+def test_safe_mm_dpo_settings_are_checked(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides, method="dpo")
+
+
+def test_safe_mm_dpo_variants_take_their_own_keys():
+    margin = load_config(
+        None,
+        ["dpo.safe_mm.variant=margin", "dpo.safe_mm.harmless_model=s", "dpo.safe_mm.safety_margin=0.5"],
+        method="dpo",
+    )
+    assert margin.dpo.safe_mm.safety_margin == 0.5 and margin.dpo.safe_mm.helpful_model is None
+    both = load_config(None, ["dpo.safe_mm.helpful_model=h", "dpo.safe_mm.harmless_model=s"], method="dpo")
+    assert both.dpo.safe_mm.variant == "lagrangian" and both.dpo.safe_mm.lambda_init == 1.0

@@ -1,4 +1,5 @@
-"""DPO/IPO loss and the Safe-MM-DPO margin: hand-computed values, a naive re-implementation, signs."""
+"""DPO/IPO loss and Safe-MM-DPO (the margin; the lagrangian's beta, loss, cost and multiplier update):
+hand-computed values, naive re-implementations from the formulas, signs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import math
 import pytest
 import torch
 
-from tandem.algorithms.dpo import dpo_loss, safe_mm_margin, sequence_logps
+from tandem.algorithms.dpo import (
+    dpo_loss,
+    lagrange_update,
+    mm_dpo_beta,
+    preferred_cost,
+    safe_mm_dpo_loss,
+    safe_mm_margin,
+    sequence_logps,
+)
 
 
 def _softplus(x: float) -> float:
@@ -258,3 +267,139 @@ def test_bad_arguments():
         safe_mm_margin(pc, pr, rc, rr[:1])
     with pytest.raises(ValueError, match="chosen_is_safer"):
         safe_mm_margin(pc, pr, rc, rr, chosen_is_safer=torch.tensor([True]))
+
+
+# --------------------------------------------------------------------------- Safe-MM-DPO, lagrangian
+
+
+def test_mm_dpo_beta_by_hand():
+    # beta (1 + w (1 - exp(-k |m|))) with beta 0.1, w 0.5, k 0.5
+    margins = torch.tensor([0.0, 2.0, -2.0, 1e4])
+    got = mm_dpo_beta(margins, beta=0.1, w=0.5, k=0.5)
+    by_hand = [0.1, 0.1 * (1 + 0.5 * (1 - math.exp(-1.0))), 0.1 * (1 + 0.5 * (1 - math.exp(-1.0))), 0.15]
+    assert got.tolist() == pytest.approx(by_hand, rel=1e-6)
+    assert got.dtype == torch.float32
+    assert mm_dpo_beta(torch.tensor([3.0]), beta=0.2, w=0.0, k=5.0).item() == pytest.approx(0.2)  # w=0: DPO
+    assert mm_dpo_beta(torch.tensor([3.0]), beta=0.2, w=1.0, k=0.0).item() == pytest.approx(0.2)  # k=0: DPO
+    # inside [beta, (1 + w) beta] and rising with |m|
+    many = mm_dpo_beta(torch.linspace(0, 20, 50), beta=0.1, w=0.5, k=0.5)
+    assert (many >= 0.1 - 1e-9).all() and (many <= 0.15 + 1e-9).all() and (many.diff() >= 0).all()
+
+
+def _naive_safe_mm(pc, pr, rc, rr, dh, ds, lam, beta, w, k):
+    """The authors' loss written per pair in plain Python."""
+    lh, ls = [], []
+    for i in range(len(pc)):
+        d = (pc[i] - rc[i]) - (pr[i] - rr[i])
+        bh = beta * (1 + w * (1 - math.exp(-k * abs(dh[i]))))
+        bs = beta * (1 + w * (1 - math.exp(-k * abs(ds[i]))))
+        lh.append(_softplus(-bh * d))
+        ls.append(_softplus(-bs * d))
+    mh, ms = sum(lh) / len(lh), sum(ls) / len(ls)
+    return (mh + lam * ms) / (1 + lam), mh, ms
+
+
+def test_safe_mm_dpo_loss_by_hand():
+    # pairs 1 and 2 (logit_diff 2 and -1), beta 0.5, w 1, k ln 2: |dh| = 1 -> beta 0.75; |ds| = 0 -> 0.5
+    pc, pr, rc, rr = _pairs()
+    dh, ds = torch.tensor([1.0, -1.0]), torch.tensor([0.0, 0.0])
+    loss, stats = safe_mm_dpo_loss(pc, pr, rc, rr, dh, ds, lam=3.0, beta=0.5, w=1.0, k=math.log(2))
+    lh = (_softplus(-1.5) + _softplus(0.75)) / 2  # beta_H 0.75 on both pairs
+    ls = (_softplus(-1.0) + _softplus(0.5)) / 2  # beta_S 0.5 = beta
+    assert stats["loss_helpful"] == pytest.approx(lh, rel=1e-6)
+    assert stats["loss_harmless"] == pytest.approx(ls, rel=1e-6)
+    assert loss.item() == pytest.approx((lh + 3 * ls) / 4, rel=1e-6)
+    assert stats["beta_helpful_mean"] == pytest.approx(0.75) and stats["beta_harmless_mean"] == pytest.approx(
+        0.5
+    )
+    # implicit rewards at the base beta, as dpo_loss reports them
+    assert stats["reward_chosen"] == pytest.approx(0.5 * (1 + -1) / 2)
+    assert stats["reward_margin"] == pytest.approx(0.5 * (2 + -1) / 2)
+    assert stats["reward_accuracy"] == 0.5 and stats["num_pairs"] == 2
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.3, 1.0, 7.5])
+def test_safe_mm_dpo_loss_matches_naive_reimplementation(lam):
+    g = torch.Generator().manual_seed(int(lam * 10))
+    pc, pr, rc, rr = (torch.randn(6, generator=g, dtype=torch.float64) * 3 for _ in range(4))
+    dh, ds = (
+        torch.randn(6, generator=g, dtype=torch.float64) * 2,
+        torch.randn(6, generator=g, dtype=torch.float64),
+    )
+    loss, stats = safe_mm_dpo_loss(pc, pr, rc, rr, dh, ds, lam=lam, beta=0.2, w=0.7, k=1.3)
+    want, mh, ms = _naive_safe_mm(*(t.tolist() for t in (pc, pr, rc, rr, dh, ds)), lam, 0.2, 0.7, 1.3)
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    assert stats["loss_helpful"] == pytest.approx(mh, rel=1e-12)
+    assert stats["loss_harmless"] == pytest.approx(ms, rel=1e-12)
+    if lam == 0.0:  # no multiplier: the helpful loss alone
+        assert loss.item() == pytest.approx(mh, rel=1e-12)
+
+
+def test_safe_mm_dpo_gradient_is_the_lambda_mix_and_betas_carry_none():
+    pc, pr, rc, rr = _pairs(requires_grad=True)
+    dh = torch.tensor([1.0, 2.0], requires_grad=True)
+    ds = torch.tensor([0.5, -3.0], requires_grad=True)
+    loss, _ = safe_mm_dpo_loss(pc, pr, rc, rr, dh, ds, lam=2.0, beta=0.5, w=0.5, k=1.0)
+    loss.backward()
+    assert dh.grad is None and ds.grad is None  # the reward models' margins are targets
+    grads = []
+    for which in ("h", "s"):
+        a, b, _, _ = _pairs(requires_grad=True)
+        margin = dh.detach() if which == "h" else ds.detach()
+        beta = mm_dpo_beta(margin, beta=0.5, w=0.5, k=1.0)
+        d = (a - torch.tensor(RC)) - (b - torch.tensor(RR))
+        (-torch.nn.functional.logsigmoid(beta * d).mean()).backward()
+        grads.append(a.grad)
+    torch.testing.assert_close(pc.grad, (grads[0] + 2.0 * grads[1]) / 3.0)
+    assert (pc.grad < 0).all() and (pr.grad > 0).all()  # descent raises chosen, lowers rejected
+
+
+def test_preferred_cost_by_hand():
+    # equal mean log-probs: half each; a strong preference for chosen: chosen's cost
+    cost = preferred_cost(
+        torch.tensor([-1.0, -0.1, -5.0]),
+        torch.tensor([-1.0, -9.0, -5.0 + math.log(3)]),
+        torch.tensor([2.0, -1.0, 4.0]),
+        torch.tensor([-2.0, 3.0, 0.0]),
+    )
+    # pair 3: softmax(-5, -5 + ln 3) = (1/4, 3/4) -> 4/4 + 0
+    assert cost.tolist() == pytest.approx([0.0, -1.0 + 4 * 1 / (1 + math.exp(8.9)), 1.0], abs=1e-6)
+
+
+def test_lagrange_update_by_hand_and_clamps():
+    # ln lam' = ln lam + lr lam J
+    assert lagrange_update(1.0, 0.5, lr=0.1) == pytest.approx(math.exp(0.05), rel=1e-15)
+    assert lagrange_update(2.0, -1.0, lr=0.01) == pytest.approx(2.0 * math.exp(-0.02), rel=1e-15)
+    assert lagrange_update(0.7, 0.0, lr=5.0) == 0.7  # at the threshold: unchanged
+    assert lagrange_update(9.9, 100.0, lr=1.0) == 10.0  # clamped above (no overflow)
+    assert lagrange_update(9.9, 1e300, lr=1.0) == 10.0
+    assert lagrange_update(2e-6, -1e6, lr=1.0) == 1e-6  # clamped below
+    assert lagrange_update(1.0, 3.0, lr=1.0, lambda_max=2.0) == 2.0
+    assert lagrange_update(1.0, 3.0, lr=0.0) == 1.0
+    # a naive re-implementation over a trajectory
+    lam, naive = 1.0, 1.0
+    for cost in (0.3, 0.8, -0.2, -1.5, 2.0):
+        lam = lagrange_update(lam, cost, lr=0.2)
+        naive = min(max(math.exp(math.log(naive) + 0.2 * naive * cost), 1e-6), 10.0)
+        assert lam == pytest.approx(naive, rel=1e-14)
+
+
+def test_safe_mm_bad_arguments():
+    pc, pr, rc, rr = _pairs()
+    two, three = torch.zeros(2), torch.zeros(3)
+    with pytest.raises(ValueError, match="harmless_margin"):
+        safe_mm_dpo_loss(pc, pr, rc, rr, two, three, lam=1.0, beta=0.1, w=0.5, k=0.5)
+    with pytest.raises(ValueError, match="lam"):
+        safe_mm_dpo_loss(pc, pr, rc, rr, two, two, lam=-1.0, beta=0.1, w=0.5, k=0.5)
+    with pytest.raises(ValueError, match="beta"):
+        mm_dpo_beta(two, beta=0.0, w=0.5, k=0.5)
+    with pytest.raises(ValueError, match="w and k"):
+        mm_dpo_beta(two, beta=0.1, w=-0.5, k=0.5)
+    with pytest.raises(ValueError, match=r"\[B\]"):
+        mm_dpo_beta(torch.zeros(2, 2), beta=0.1, w=0.5, k=0.5)
+    with pytest.raises(ValueError, match="lam"):
+        lagrange_update(0.0, 1.0, lr=0.1)
+    with pytest.raises(ValueError, match="cost"):
+        lagrange_update(1.0, float("nan"), lr=0.1)
+    with pytest.raises(ValueError, match="lambda_min"):
+        lagrange_update(1.0, 1.0, lr=0.1, lambda_min=2.0, lambda_max=1.0)

@@ -120,7 +120,41 @@ def test_supervised_runs_get_their_own_figures(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     names = {p.name for p in plot_run(tmp_path)}
     assert {"loss.png", "eval_loss.png", "preference_accuracy.png", "margins.png", "timing.png"} <= names
-    assert not names & {"reward.png", "kl.png", "value.png", "perplexity.png"}
+    assert not names & {"reward.png", "kl.png", "value.png", "perplexity.png", "safe_mm.png"}
+
+
+def test_a_safe_mm_dpo_run_gets_the_origins_four_curves(tmp_path):
+    """Rows of the lagrangian variant (loss_helpful, loss_harmless, lambda, cost_ema) draw safe_mm.png
+    with one panel per curve."""
+    from tandem.plots import FIGURES, plot_run
+
+    rows = []
+    for step in range(1, 6):
+        rows.append(
+            {
+                "step": step,
+                "epoch": 0,
+                "loss": 0.6,
+                "grad_norm": 1.0,
+                "lr": 1e-5,
+                "step_seconds": 1.0,
+                "loss_helpful": 0.7 - step / 50,
+                "loss_harmless": 0.69 - step / 40,
+                "lambda": 1.0 + step / 10,
+                "cost_ema": 0.5 - step / 5,
+            }
+        )
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "safe_mm.png" in {p.name for p in plot_run(tmp_path)}
+    fig = FIGURES["safe_mm.png"]("run", np.arange(1.0, 6.0), rows, 0)
+    panels = fig.axes
+    assert [ax.get_ylabel() for ax in panels] == [
+        "L_H (helpful)",
+        "L_S (harmless)",
+        "lambda",
+        "J_C (smoothed)",
+    ]
+    np.testing.assert_allclose(panels[2].lines[0].get_ydata(), [r["lambda"] for r in rows])
 
 
 def _supervised_run(

@@ -146,6 +146,7 @@ def test_every_shipped_config_is_refused_by_every_other_method_command():
         "configs/rm_harmless.yaml": {"rm"},
         "configs/dpo_tiny.yaml": {"dpo"},
         "configs/safe_mm_dpo_tiny.yaml": {"dpo"},
+        "configs/safe_mm_dpo_margin_tiny.yaml": {"dpo"},
         "configs/grpo_gsm8k_qwen2.5_1.5b.yaml": {"grpo", "ppo"},
     }
     for path, allowed in shipped.items():
@@ -250,3 +251,29 @@ def test_mixed_precision_auto_picks_by_the_device():
     assert choice == ("bf16" if cpu_has_fast_bf16() else "no")
     assert "bf16" in why
     assert load_config(None, ["training.mixed_precision=auto"]).training.mixed_precision == "auto"
+
+
+def test_the_safe_mm_dpo_origins_names(tmp_path):
+    """NephrenLuca/mmdpo-alignment's flat keys (configs/dpo_config.yaml) are read as dpo.*; a flat
+    `beta` is DPO's beta in a dpo run and the KL coefficient in a grpo run (TRL's meanings)."""
+    path = tmp_path / "origin.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {"β_ori": 0.2, "w": 0.7, "k": 0.3, "λ_init": 2.0, "λ_lr": 0.02, "cost_threshold": -0.5},
+            allow_unicode=True,
+        )
+    )
+    cfg = load_config(path, method="dpo")
+    sm = cfg.dpo.safe_mm
+    assert (cfg.dpo.beta, sm.w, sm.k, sm.lambda_init, sm.lambda_lr, sm.cost_threshold) == (
+        0.2,
+        0.7,
+        0.3,
+        2.0,
+        0.02,
+        -0.5,
+    )
+    assert load_config(None, ["beta=0.3"], method="dpo").dpo.beta == 0.3
+    assert load_config(None, ["beta=0.3"], method="grpo").grpo.kl_coef == 0.3
+    with pytest.raises(ConfigError, match="beta"):
+        load_config(None, ["beta=0.3"], method="sft")

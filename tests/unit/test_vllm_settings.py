@@ -25,7 +25,11 @@ def test_auto_binds_the_last_cores_of_the_sampler_s_share():
 
 def test_kv_bytes_and_model_length():
     config = SimpleNamespace(
-        num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30, max_position_embeddings=8192
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        hidden_size=576,
+        num_hidden_layers=30,
+        max_position_embeddings=8192,
     )
     # SmolLM2-135M: 2 (k, v) x 30 layers x 3 heads x 64 x 4 bytes
     assert kv_bytes_per_token(config, torch.float32) == 2 * 30 * 3 * 64 * 4
@@ -54,7 +58,9 @@ def test_bad_vllm_settings_name_their_key(override, key):
 def test_vllm_needs_the_decoupled_pipeline():
     with pytest.raises(ConfigError, match="pipeline.mode=decoupled"):
         load_config("configs/grpo_tiny.yaml", ["sampling.backend=vllm", "pipeline.mode=colocated"])
-    cfg = load_config("configs/grpo_tiny.yaml", ["sampling.backend=vllm", "sampling.vllm.cpu_threads_bind=0-1"])
+    cfg = load_config(
+        "configs/grpo_tiny.yaml", ["sampling.backend=vllm", "sampling.vllm.cpu_threads_bind=0-1"]
+    )
     assert cfg.sampling.vllm.cpu_threads_bind == "0-1" and cfg.sampling.vllm.enforce_eager is None
 
 

@@ -1,8 +1,27 @@
-"""DPO maths: sequence log-probs, the DPO/IPO loss with a per-pair margin, and the Safe-MM-DPO margin.
+"""DPO maths: sequence log-probs, the DPO/IPO loss with a per-pair margin, and Safe-MM-DPO's two forms.
 
 Pure functions on tensors (DESIGN.md sections 6 and 9); no config, no logging, no process group.
 
-Safe-MM-DPO (the margin built by `safe_mm_margin`, passed to `dpo_loss(margin=...)`):
+Safe-MM-DPO, variant `lagrangian` (the authors' method: NephrenLuca/mmdpo-alignment, report.md and
+src/training/train_safe_mm_dpo.py; MM-DPO's dynamic beta from MM-RLHF, arXiv:2502.10391; the
+Lagrange multiplier from Safe RLHF, arXiv:2310.12773). With d = (pc - rc) - (pr - rr), the policy's
+log-ratio gap over the reference's (sequence log-probs of the answer tokens), and the reward models'
+margins delta_H = H(y_c) - H(y_r) (helpful) and delta_S = S(y_c) - S(y_r) (harmless; S > 0 is safe,
+the cost is C = -S):
+
+    beta(delta) = beta_0 (1 + w (1 - exp(-k |delta|)))          in [beta_0, (1 + w) beta_0]  (mm_dpo_beta)
+    L_H = mean -log sigma(beta(delta_H) d),   L_S = mean -log sigma(beta(delta_S) d)
+    L   = (L_H + lambda L_S) / (1 + lambda)                                            (safe_mm_dpo_loss)
+
+lambda is a constant inside a step. After each optimizer step (the trainer):
+    J_C = EMA_0.95 of [ mean over pairs of (p_c C(y_c) + p_r C(y_r)) + threshold ]
+where (p_c, p_r) = softmax of the policy's length-normalised log-probs of the two answers (its
+preference between them), and
+    ln lambda <- ln lambda + lr * lambda * J_C,  lambda clamped to [lambda_min, lambda_max]  (lagrange_update)
+so lambda grows while the policy prefers costly answers (J_C > 0) and shrinks once it is below the
+threshold. A pair the reward model is sure about (large |delta|) gets a larger beta: a sharper loss.
+
+Safe-MM-DPO, variant `margin` (the margin built by `safe_mm_margin`, passed to `dpo_loss(margin=...)`):
 
     m_i    = w_h (h_c - h_r) + w_s (s_c - s_r) + delta * 1[chosen answer is the safer one]
     loss_i = -log sigma( beta [log pi/pi_ref (y_c) - log pi/pi_ref (y_r)] - m_i )
@@ -20,12 +39,16 @@ preferences are learnt with a wider gap.
     (Kim et al., 2025).
   - "Beyond One-Preference-Fits-All Alignment: Multi-Objective Direct Preference Optimization"
     (MODPO; Zhou et al., 2024).
+  - "MM-RLHF: The Next Step Forward in Multimodal LLM Alignment" (Zhang et al., 2025): MM-DPO.
+  - "Safe RLHF: Safe Reinforcement Learning from Human Feedback" (Dai et al., 2023).
   - "Direct Preference Optimization: Your Language Model is Secretly a Reward Model"
     (Rafailov et al., 2023); IPO: "A General Theoretical Paradigm to Understand Learning from
     Human Preferences" (Azar et al., 2023).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +181,126 @@ def safe_mm_margin(
     harmless_gap = harmless_chosen.to(dtype) - harmless_rejected.to(dtype)
     safer = chosen_is_safer.to(dtype)
     return helpful_weight * helpful_gap + harmless_weight * harmless_gap + safety_margin * safer
+
+
+def mm_dpo_beta(reward_margin: torch.Tensor, *, beta: float, w: float, k: float) -> torch.Tensor:
+    """MM-DPO's per-pair beta [B] from a reward model's margin [B] (score of chosen minus rejected):
+
+      beta_i = beta (1 + w (1 - exp(-k |margin_i|)))
+
+    beta at a zero margin, rising towards (1 + w) beta as the reward model grows sure of the pair
+    (either way: a pair the model ranks the other way round is as sure). At least fp32.
+    """
+    if reward_margin.ndim != 1:
+        raise ValueError(f"reward_margin must be [B], got shape {tuple(reward_margin.shape)}")
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if w < 0 or k < 0:
+        raise ValueError(f"w and k must be >= 0, got w={w}, k={k}")
+    margin = reward_margin.to(torch.promote_types(reward_margin.dtype, torch.float32))
+    return beta * (1.0 + w * (1.0 - torch.exp(-k * margin.abs())))
+
+
+def safe_mm_dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    helpful_margin: torch.Tensor,
+    harmless_margin: torch.Tensor,
+    *,
+    lam: float,
+    beta: float,
+    w: float,
+    k: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Safe-MM-DPO's loss (module docstring): (L_H + lam L_S) / (1 + lam), every input [B].
+
+    The four log-probs are sequence log-probs (as dpo_loss); helpful_margin and harmless_margin are
+    the helpful and harmless reward models' score gaps (chosen minus rejected), detached. lam >= 0 is
+    the Lagrange multiplier, a constant here. Stats: loss_helpful (L_H), loss_harmless (L_S),
+    beta_helpful_mean, beta_harmless_mean, and dpo_loss's reward_chosen, reward_rejected,
+    reward_margin, reward_accuracy (implicit rewards at the base beta) and num_pairs.
+    """
+    _check_pairs(
+        {
+            "policy_chosen_logps": policy_chosen_logps,
+            "policy_rejected_logps": policy_rejected_logps,
+            "ref_chosen_logps": ref_chosen_logps,
+            "ref_rejected_logps": ref_rejected_logps,
+            "helpful_margin": helpful_margin,
+            "harmless_margin": harmless_margin,
+        }
+    )
+    if not (lam >= 0 and math.isfinite(lam)):
+        raise ValueError(f"lam must be a finite number >= 0, got {lam}")
+    dtype = torch.promote_types(policy_chosen_logps.dtype, torch.float32)
+    logit_diff = (policy_chosen_logps.to(dtype) - ref_chosen_logps.to(dtype)) - (
+        policy_rejected_logps.to(dtype) - ref_rejected_logps.to(dtype)
+    )  # [B]
+    beta_helpful = mm_dpo_beta(helpful_margin.detach(), beta=beta, w=w, k=k).to(dtype)
+    beta_harmless = mm_dpo_beta(harmless_margin.detach(), beta=beta, w=w, k=k).to(dtype)
+    loss_helpful = -F.logsigmoid(beta_helpful * logit_diff).mean()
+    loss_harmless = -F.logsigmoid(beta_harmless * logit_diff).mean()
+    loss = (loss_helpful + lam * loss_harmless) / (1.0 + lam)
+    with torch.no_grad():
+        reward_chosen = beta * (policy_chosen_logps.to(dtype) - ref_chosen_logps.to(dtype))
+        reward_rejected = beta * (policy_rejected_logps.to(dtype) - ref_rejected_logps.to(dtype))
+        stats = {
+            "loss_helpful": float(loss_helpful),
+            "loss_harmless": float(loss_harmless),
+            "beta_helpful_mean": float(beta_helpful.mean()),
+            "beta_harmless_mean": float(beta_harmless.mean()),
+            "reward_chosen": float(reward_chosen.mean()),
+            "reward_rejected": float(reward_rejected.mean()),
+            "reward_margin": float((reward_chosen - reward_rejected).mean()),
+            "reward_accuracy": float((reward_chosen > reward_rejected).to(dtype).mean()),
+            "num_pairs": float(logit_diff.numel()),
+        }
+    return loss, stats
+
+
+def preferred_cost(
+    chosen_logps_mean: torch.Tensor,
+    rejected_logps_mean: torch.Tensor,
+    chosen_cost: torch.Tensor,
+    rejected_cost: torch.Tensor,
+) -> torch.Tensor:
+    """The cost of each pair [B] under the policy's preference between its two answers:
+    p_c C_c + p_r C_r with (p_c, p_r) = softmax(chosen_logps_mean, rejected_logps_mean), the
+    length-normalised sequence log-probs. Its mean over a batch, plus the threshold, is the batch's
+    J_C (Safe-MM-DPO's cost estimate; the trainer smooths it before lagrange_update)."""
+    _check_pairs(
+        {
+            "chosen_logps_mean": chosen_logps_mean,
+            "rejected_logps_mean": rejected_logps_mean,
+            "chosen_cost": chosen_cost,
+            "rejected_cost": rejected_cost,
+        }
+    )
+    dtype = torch.promote_types(chosen_logps_mean.dtype, torch.float32)
+    prefs = torch.softmax(torch.stack([chosen_logps_mean, rejected_logps_mean], dim=-1).to(dtype), dim=-1)
+    return prefs[:, 0] * chosen_cost.to(dtype) + prefs[:, 1] * rejected_cost.to(dtype)
+
+
+def lagrange_update(
+    lam: float, cost: float, *, lr: float, lambda_min: float = 1e-6, lambda_max: float = 10.0
+) -> float:
+    """Safe RLHF's multiplier step in log space: ln lam' = ln lam + lr * lam * cost, then lam' is
+    clamped to [lambda_min, lambda_max]. `cost` is the smoothed J_C (expected cost plus threshold):
+    lam grows while it is positive and shrinks while it is negative; it never reaches 0."""
+    if not 0 < lambda_min <= lambda_max:
+        raise ValueError(f"need 0 < lambda_min <= lambda_max, got {lambda_min} and {lambda_max}")
+    if not (lam > 0 and math.isfinite(lam)):
+        raise ValueError(f"lam must be a finite number > 0, got {lam}")
+    if not math.isfinite(cost):
+        raise ValueError(f"cost must be finite, got {cost}")
+    if lr < 0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    step = lr * lam * cost
+    # exp of a large step overflows; anything past ln(lambda_max) ends at lambda_max anyway
+    log_lam = min(math.log(lam) + step, math.log(lambda_max) + 1.0)
+    return min(max(math.exp(log_lam), lambda_min), lambda_max)
 
 
 def _check_pairs(tensors: dict[str, torch.Tensor]) -> None:

@@ -1,7 +1,9 @@
 """The DPO loop, and Safe-MM-DPO: preference pairs against a frozen reference, one optimizer step at a time.
 
 Run: `tandem dpo configs/dpo_tiny.yaml` (Safe-MM-DPO: configs/safe_mm_dpo_tiny.yaml; several ranks:
-torchrun ... -m tandem.cli dpo CONFIG). The maths is algorithms/dpo.py; this file feeds it.
+torchrun ... -m tandem.cli dpo CONFIG). The maths is algorithms/dpo.py; this file feeds it, and keeps
+Safe-MM-DPO's Lagrange multiplier (variant lagrangian): one number, updated after every optimizer step
+from rank-summed quantities (so identical on every rank) and saved in each checkpoint.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +19,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tandem.algorithms.dpo import dpo_loss, safe_mm_margin, sequence_logps
+from tandem.algorithms.dpo import (
+    dpo_loss,
+    lagrange_update,
+    preferred_cost,
+    safe_mm_dpo_loss,
+    safe_mm_margin,
+    sequence_logps,
+)
 from tandem.config import Config, ConfigError, TrainingConfig
 from tandem.data.preferences import EncodedPair, PreferencePair, encode_pair, load_preferences
 from tandem.distributed.batches import rank_micro_batches
@@ -40,7 +50,47 @@ class PairData:
     pairs: list[EncodedPair]
     pad_id: int  # the token that pads packed rows (never scored)
     ref_logps: torch.Tensor | None = None  # [N, 2] reference log-probs (chosen, rejected); None = online
-    margins: torch.Tensor | None = None  # [N] Safe-MM-DPO margins; None = plain DPO
+    margins: torch.Tensor | None = None  # [N] Safe-MM-DPO margins (variant margin); None otherwise
+    # Safe-MM-DPO variant lagrangian: the reward models' scores [N, 2] (chosen, rejected); None otherwise
+    helpful: torch.Tensor | None = None
+    harmless: torch.Tensor | None = None  # S: > 0 safe; the cost is -S
+
+    @property
+    def lagrangian(self) -> bool:
+        return self.harmless is not None
+
+
+@dataclass
+class Lagrange:
+    """Safe-MM-DPO's multiplier and its smoothed cost J_C (None before the first step)."""
+
+    lam: float
+    cost_ema: float | None = None
+
+    def update(self, expected_cost: float, sm) -> None:
+        """After an optimizer step: J_C (the batch's expected cost + threshold) into the EMA, then
+        lagrange_update. A non-finite cost (a step whose loss was not finite) changes nothing."""
+        if not math.isfinite(expected_cost):
+            return
+        batch = expected_cost + sm.cost_threshold
+        if self.cost_ema is None:
+            self.cost_ema = batch
+        else:
+            self.cost_ema = sm.cost_ema_decay * self.cost_ema + (1.0 - sm.cost_ema_decay) * batch
+        self.lam = lagrange_update(
+            self.lam, self.cost_ema, lr=sm.lambda_lr, lambda_min=sm.lambda_min, lambda_max=sm.lambda_max
+        )
+
+    def state(self) -> dict:
+        return {"safe_mm_lambda": self.lam, "safe_mm_cost_ema": self.cost_ema}
+
+    def restore(self, saved: dict) -> None:
+        if "safe_mm_lambda" not in saved:
+            raise ConfigError(
+                "training.resume_from_checkpoint: the checkpoint holds no Safe-MM-DPO multiplier "
+                "(written by another dpo variant); resume with the config that wrote it"
+            )
+        self.lam, self.cost_ema = saved["safe_mm_lambda"], saved["safe_mm_cost_ema"]
 
 
 def train_dpo(cfg: Config) -> Path:
@@ -68,7 +118,9 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
     total_steps = min(tc.max_steps, tc.num_epochs * steps_per_epoch)
     # the data position is the step: batches are a function of (seed, epoch), checked on resume
     data_state = {"num_train_pairs": len(train.pairs), "batch_size": batch_size}
-    step = run.resume_data_loop(resume_path, engine, env, data_state)
+    lagrange = Lagrange(cfg.dpo.safe_mm.lambda_init) if train.lagrangian else None
+    restore = lagrange.restore if lagrange is not None else None
+    step = run.resume_data_loop(resume_path, engine, env, data_state, restore)
     logger = run.data_loop_logger(cfg, env, step)
     bar = tqdm(total=total_steps, initial=step, desc="dpo", dynamic_ncols=True, disable=not env.is_main)
     last_saved = step
@@ -82,28 +134,33 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
                     epoch,
                     run.epoch_batches(len(train.pairs), batch_size, epoch, cfg.seed, cfg.data.shuffle, "dpo"),
                 )
-            stats = optimizer_step(engine, train, batches[1][index], reference, cfg, env, device)
+            stats = optimizer_step(engine, train, batches[1][index], reference, cfg, env, device, lagrange)
             step += 1
             row = {"step": step, "epoch": step / steps_per_epoch, **stats}
             row["step_seconds"] = time.perf_counter() - row_start
             if env.world_size > 1:
                 row["world_size"] = env.world_size
             if evals.pairs and (step == total_steps or (tc.eval_steps and step % tc.eval_steps == 0)):
-                row.update(evaluate(engine, evals, reference, cfg, env, device))
+                row.update(evaluate(engine, evals, reference, cfg, env, device, lagrange))
             if env.is_main:
                 if step % tc.logging_steps == 0 or step == total_steps or "eval_loss" in row:
                     logger.log(row)
                 bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row['reward_accuracy']:.2f}")
+                postfix = {"loss": f"{row['loss']:.4f}", "acc": f"{row['reward_accuracy']:.2f}"}
+                if lagrange is not None:
+                    postfix["lambda"] = f"{lagrange.lam:.4g}"
+                bar.set_postfix(postfix)
             if tc.save_steps and step % tc.save_steps == 0:
-                run.save(checkpoints_dir, step, engine, env, None, tokenizer, data_state, tc.save_total_limit)
+                state = {**data_state, **(lagrange.state() if lagrange is not None else {})}
+                run.save(checkpoints_dir, step, engine, env, None, tokenizer, state, tc.save_total_limit)
                 last_saved = step
     finally:
         bar.close()
         if logger is not None:
             logger.close()
     if last_saved != step:
-        run.save(checkpoints_dir, step, engine, env, None, tokenizer, data_state, tc.save_total_limit)
+        state = {**data_state, **(lagrange.state() if lagrange is not None else {})}
+        run.save(checkpoints_dir, step, engine, env, None, tokenizer, state, tc.save_total_limit)
     return export_final(engine, env, tokenizer, run_dir / "final")
 
 
@@ -117,8 +174,14 @@ def prepare(cfg: Config, engine, tokenizer, env: DistEnv, device: torch.device):
     evals = PairData([encode_pair(tokenizer, p, cfg.dpo.max_length) for p in eval_raw], pad_id)
     t0 = time.perf_counter()
     if cfg.dpo.safe_mm.enabled:
-        train.margins = reward_margins(cfg, train_raw, env, device)
-        evals.margins = reward_margins(cfg, eval_raw, env, device) if eval_raw else None
+        for data, raw in ((train, train_raw), (evals, eval_raw)):
+            if not raw:
+                continue
+            helpful, harmless = reward_scores(cfg, raw, env, device)
+            if cfg.dpo.safe_mm.variant == "lagrangian":
+                data.helpful, data.harmless = helpful, harmless
+            else:
+                data.margins = margins_of(cfg, raw, helpful, harmless)
     reference = build_reference(cfg, engine, tokenizer, env, device)
     if cfg.dpo.reference_logps == "precompute":
         with reference_forward(reference, engine) as forward:
@@ -243,13 +306,13 @@ def precompute_ref_logps(
     return torch.tensor(all_reduce_sum(env, out.flatten().tolist()), dtype=torch.float32).view(-1, 2)
 
 
-def reward_margins(
+def reward_scores(
     cfg: Config, pairs: list[PreferencePair], env: DistEnv, device: torch.device
-) -> torch.Tensor:
-    """Safe-MM-DPO margins [N] (algorithms/dpo.py safe_mm_margin). Each frozen reward model is loaded
-    in eval mode, scores every chosen and rejected answer once (rank r: pairs r, r + W, ...), and is
-    freed before the next. chosen_is_safer comes from the data; where the data does not say, from
-    the harmless model's scores (no harmless model: not safer)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(helpful, harmless) scores [N, 2] (chosen, rejected) of every pair; a model that is not set
+    scores 0. Each frozen reward model is loaded in eval mode, scores every chosen and rejected
+    answer once (rank r: pairs r, r + W, ...; the rank sum in float64 fills in the rest, the same on
+    every rank), and is freed before the next."""
     sm = cfg.dpo.safe_mm
     num = len(pairs)
     mine = list(range(env.rank, num, env.world_size))
@@ -272,7 +335,15 @@ def reward_margins(
         scores[name] = torch.tensor(all_reduce_sum(env, local.flatten().tolist()), dtype=torch.float32).view(
             -1, 2
         )
-    helpful, harmless = scores["helpful"], scores["harmless"]
+    return scores["helpful"], scores["harmless"]
+
+
+def margins_of(
+    cfg: Config, pairs: list[PreferencePair], helpful: torch.Tensor, harmless: torch.Tensor
+) -> torch.Tensor:
+    """Variant margin's per-pair margins [N] (algorithms/dpo.py safe_mm_margin). chosen_is_safer comes
+    from the data; where the data does not say, from the harmless model's scores (none: not safer)."""
+    sm = cfg.dpo.safe_mm
     safer = torch.tensor(
         [
             p.chosen_is_safer if p.chosen_is_safer is not None else bool(harmless[i, 0] > harmless[i, 1])
@@ -285,9 +356,9 @@ def reward_margins(
         helpful[:, 1],
         harmless[:, 0],
         harmless[:, 1],
-        helpful_weight=sm.helpful_weight,
-        harmless_weight=sm.harmless_weight,
-        safety_margin=sm.safety_margin,
+        helpful_weight=1.0 if sm.helpful_weight is None else sm.helpful_weight,
+        harmless_weight=1.0 if sm.harmless_weight is None else sm.harmless_weight,
+        safety_margin=0.0 if sm.safety_margin is None else sm.safety_margin,
         chosen_is_safer=safer,
     )
 
@@ -295,8 +366,12 @@ def reward_margins(
 # --------------------------------------------------------------------------- steps
 
 
-def micro_batch_loss(engine, data: PairData, micro: list[int], reference, cfg: Config, device):
-    """(loss mean over the micro-batch, stats) of dpo_loss on the policy's and reference's log-probs."""
+def micro_batch_loss(
+    engine, data: PairData, micro: list[int], reference, cfg: Config, device, lagrange: Lagrange | None
+):
+    """(loss mean over the micro-batch, stats): dpo_loss, or safe_mm_dpo_loss with the multiplier as it
+    stands; Safe-MM-DPO's stats add expected_cost, the micro-batch's mean cost under the policy's
+    preference between its answers (algorithms/dpo.py preferred_cost; no gradient)."""
     pairs = [data.pairs[i] for i in micro]
     if data.ref_logps is not None:
         ref = data.ref_logps[micro].to(device)
@@ -304,70 +379,117 @@ def micro_batch_loss(engine, data: PairData, micro: list[int], reference, cfg: C
         with reference_forward(reference, engine) as forward:
             ref = pair_logps(forward, pairs, data.pad_id, cfg.training, device)
     policy = pair_logps(engine.model, pairs, data.pad_id, cfg.training, device)
-    margin = data.margins[micro].to(device) if data.margins is not None else None
-    return dpo_loss(
+    if not data.lagrangian:
+        margin = data.margins[micro].to(device) if data.margins is not None else None
+        return dpo_loss(
+            policy[:, 0],
+            policy[:, 1],
+            ref[:, 0],
+            ref[:, 1],
+            beta=cfg.dpo.beta,
+            margin=margin,
+            label_smoothing=cfg.dpo.label_smoothing,
+            loss_type=cfg.dpo.loss_type,
+        )
+    sm = cfg.dpo.safe_mm
+    helpful, harmless = data.helpful[micro].to(device), data.harmless[micro].to(device)
+    loss, stats = safe_mm_dpo_loss(
         policy[:, 0],
         policy[:, 1],
         ref[:, 0],
         ref[:, 1],
+        helpful[:, 0] - helpful[:, 1],
+        harmless[:, 0] - harmless[:, 1],
+        lam=lagrange.lam,
         beta=cfg.dpo.beta,
-        margin=margin,
-        label_smoothing=cfg.dpo.label_smoothing,
-        loss_type=cfg.dpo.loss_type,
+        w=sm.w,
+        k=sm.k,
     )
+    with torch.no_grad():
+        lengths = torch.tensor(
+            [[len(p.chosen_ids), len(p.rejected_ids)] for p in pairs], dtype=policy.dtype, device=device
+        ).clamp(min=1)
+        mean_logps = policy.detach() / lengths
+        cost = preferred_cost(mean_logps[:, 0], mean_logps[:, 1], -harmless[:, 0], -harmless[:, 1])
+    stats["expected_cost"] = float(cost.mean())
+    return loss, stats
+
+
+_PAIR_MEANS = ("reward_chosen", "reward_rejected", "reward_accuracy")
+_LAGRANGIAN_MEANS = (
+    "loss_helpful",
+    "loss_harmless",
+    "beta_helpful_mean",
+    "beta_harmless_mean",
+    "expected_cost",
+)
 
 
 def pair_sums(loss: torch.Tensor, stats: dict, data: PairData, micro: list[int]) -> dict[str, float]:
     """A micro-batch's sums over its pairs of what a row reports, to add across micro-batches and
     ranks before dividing by the pair count `num`."""
     n = len(micro)
-    means = {
-        "loss": float(loss.detach()),
-        **{k: stats[k] for k in ("reward_chosen", "reward_rejected", "reward_accuracy")},
-    }
-    margin = float(data.margins[micro].sum()) if data.margins is not None else 0.0
-    return {**{k: m * n for k, m in means.items()}, "margin_mean": margin, "num": n}
+    names = _PAIR_MEANS + (_LAGRANGIAN_MEANS if data.lagrangian else ())
+    means = {"loss": float(loss.detach()), **{k: stats[k] for k in names}}
+    sums = {k: m * n for k, m in means.items()}
+    if data.margins is not None:
+        sums["margin_mean"] = float(data.margins[micro].sum())
+    return {**sums, "num": n}
 
 
-def no_sums() -> dict[str, float]:
-    return dict.fromkeys(
-        ("loss", "reward_chosen", "reward_rejected", "reward_accuracy", "margin_mean", "num"), 0.0
-    )
+def no_sums(data: PairData) -> dict[str, float]:
+    names = ("loss", *_PAIR_MEANS, "num")
+    if data.lagrangian:
+        names += _LAGRANGIAN_MEANS
+    if data.margins is not None:
+        names += ("margin_mean",)
+    return dict.fromkeys(names, 0.0)
 
 
 def add_sums(sums: dict[str, float], more: dict[str, float]) -> dict[str, float]:
     return {k: sums[k] + more[k] for k in sums}
 
 
-def row_means(env: DistEnv, sums: dict[str, float], data: PairData, prefix: str = "") -> dict:
+def row_means(env: DistEnv, sums: dict[str, float], prefix: str = "") -> dict:
     """The rank-summed `sums` as means over the pairs."""
     totals = all_reduce_dict(env, sums)
     num = max(totals.pop("num"), 1.0)
     means = {f"{prefix}{key}": value / num for key, value in totals.items()}
     means[f"{prefix}reward_margin"] = means[f"{prefix}reward_chosen"] - means[f"{prefix}reward_rejected"]
-    if data.margins is None:  # plain DPO: no reward-model margin to report
-        del means[f"{prefix}margin_mean"]
     return means
 
 
 def optimizer_step(
-    engine, data: PairData, batch: list[int], reference, cfg: Config, env: DistEnv, device
+    engine,
+    data: PairData,
+    batch: list[int],
+    reference,
+    cfg: Config,
+    env: DistEnv,
+    device,
+    lagrange: Lagrange | None = None,
 ) -> dict:
     """One optimizer step on a global batch of pairs; each micro-batch's mean loss is scaled by its
-    share of the GLOBAL pair count, so the summed gradients are the batch mean at any world size."""
+    share of the GLOBAL pair count, so the summed gradients are the batch mean at any world size.
+    Safe-MM-DPO (lagrangian): then the multiplier's update from the batch's expected cost (summed over
+    ranks, so every rank computes the same lambda); the row holds lambda and cost_ema after it."""
     micro_batches = rank_micro_batches(batch, cfg.training.micro_batch_size, env)
     engine.model.train()
     lr = engine.lr()
-    sums = no_sums()
+    sums = no_sums(data)
     for i, (micro, weight) in enumerate(micro_batches):
         with engine.accumulate(last=i == len(micro_batches) - 1):
-            loss, stats = micro_batch_loss(engine, data, micro, reference, cfg, device)
+            loss, stats = micro_batch_loss(engine, data, micro, reference, cfg, device, lagrange)
             engine.backward(loss * (weight * len(micro) / len(batch)))
         if weight:
             sums = add_sums(sums, pair_sums(loss, stats, data, micro))
     grad_norm = engine.step()
+    row = row_means(env, sums)
+    if lagrange is not None:
+        lagrange.update(row["expected_cost"], cfg.dpo.safe_mm)
+        row["lambda"], row["cost_ema"] = lagrange.lam, lagrange.cost_ema
     return {
-        **row_means(env, sums, data),
+        **row,
         "grad_norm": grad_norm,
         "skipped_nonfinite": engine.skips.last_skipped,
         "lr": lr,
@@ -375,18 +497,20 @@ def optimizer_step(
     }
 
 
-def evaluate(engine, data: PairData, reference, cfg: Config, env: DistEnv, device) -> dict:
+def evaluate(
+    engine, data: PairData, reference, cfg: Config, env: DistEnv, device, lagrange: Lagrange | None = None
+) -> dict:
     """eval_loss, eval_reward_accuracy, eval_reward_margin, ... over the held-out pairs (every rank
     takes a strided part, in eval mode, without gradients)."""
     t0 = time.perf_counter()
-    sums = no_sums()
+    sums = no_sums(data)
     engine.model.eval()
     with torch.no_grad():
         for micro, weight in rank_micro_batches(
             list(range(len(data.pairs))), cfg.training.micro_batch_size, env
         ):
-            loss, stats = micro_batch_loss(engine, data, micro, reference, cfg, device)
+            loss, stats = micro_batch_loss(engine, data, micro, reference, cfg, device, lagrange)
             if weight:
                 sums = add_sums(sums, pair_sums(loss, stats, data, micro))
     engine.model.train()
-    return {**row_means(env, sums, data, "eval_"), "eval_seconds": time.perf_counter() - t0}
+    return {**row_means(env, sums, "eval_"), "eval_seconds": time.perf_counter() - t0}

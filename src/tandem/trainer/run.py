@@ -212,13 +212,22 @@ def save_data_loop(
     save(checkpoints_dir, step, engine, env, None, tokenizer, state, keep)
 
 
-def resume_data_loop(resume_path: Path | None, engine, env: DistEnv, data_state: dict) -> int:
+def resume_data_loop(
+    resume_path: Path | None,
+    engine,
+    env: DistEnv,
+    data_state: dict,
+    restore: Callable[[dict], None] | None = None,
+) -> int:
     """Load the checkpoint of a loop over a fixed data set (sft, rm, dpo) and return its step (0 for a
     fresh run). Those loops draw their batches from (seed, epoch), so the step is the data position,
-    valid only while `data_state` (data size, global batch) is what the checkpoint recorded."""
+    valid only while `data_state` (data size, global batch) is what the checkpoint recorded.
+    `restore(saved)` gets the whole saved trainer state (a method's own, e.g. Safe-MM-DPO's lambda)."""
     if resume_path is None:
         return 0
     saved = ckpt.load_checkpoint(resume_path, engine=engine, env=env)
+    if restore is not None:
+        restore(saved)
     found = {key: saved.get(key) for key in data_state}
     if found != data_state:
         raise ConfigError(
