@@ -150,6 +150,16 @@ def _beta(value: Any, raw: dict) -> Assignments:
     raise ConfigError(f"`beta` means nothing to a {method} run; remove it")
 
 
+def _kl_coeff(value: Any, raw: dict) -> Assignments:
+    """The origin's optional full-vocabulary KL term: 0 means none, which is tandem's form."""
+    if value in (0, 0.0, None):
+        return []
+    raise ConfigError(
+        f"`kl_coeff` is {value!r}; tandem's Safe-MM-DPO has no separate KL term (the DPO losses already "
+        "keep the policy near the reference, through dpo.beta): remove kl_coeff or set it to 0"
+    )
+
+
 def _refuse(name: str, fix: str) -> Callable[[Any, dict], Assignments]:
     def read(value: Any, raw: dict) -> Assignments:
         raise ConfigError(f"`{name}` is not a tandem setting; {fix}")
@@ -184,6 +194,7 @@ SEED_KEYS: dict[str, Callable[[Any, dict], Assignments]] = {
     "λ_init": _same("dpo.safe_mm.lambda_init"),
     "λ_lr": _same("dpo.safe_mm.lambda_lr"),
     "cost_threshold": _same("dpo.safe_mm.cost_threshold"),
+    "kl_coeff": _kl_coeff,
     "per_device_eval_batch_size": _refuse(
         "per_device_eval_batch_size", "held-out batches use training.micro_batch_size: remove it"
     ),

@@ -277,3 +277,6 @@ def test_the_safe_mm_dpo_origins_names(tmp_path):
     assert load_config(None, ["beta=0.3"], method="grpo").grpo.kl_coef == 0.3
     with pytest.raises(ConfigError, match="beta"):
         load_config(None, ["beta=0.3"], method="sft")
+    assert load_config(None, ["kl_coeff=0"], method="dpo").dpo.beta == 0.1
+    with pytest.raises(ConfigError, match=r"kl_coeff.*no separate KL term"):
+        load_config(None, ["kl_coeff=0.1"], method="dpo")
