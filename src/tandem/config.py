@@ -351,13 +351,16 @@ class SFTConfig:
 
 @dataclass
 class RewardModelConfig:
-    """`tandem rm`: a Bradley-Terry reward model (a scalar head on a causal LM)."""
+    """`tandem rm`: a Bradley-Terry reward model (a scalar head on a causal LM); with task harmless a
+    Safe-RLHF cost model where the data labels answers safe or unsafe."""
 
     task: PreferenceTask = "helpful"  # which built-in preference set data.dataset=synthetic gives
     max_length: int = 512  # tokens per prompt + answer
+    # task harmless, labelled data: loss = pairwise + weight x cost_classification_loss (0: reported only)
+    classification_loss_weight: float = 1.0
 
     def check(self, key: str = "rm") -> None:
-        _check(self, key, max_length=_at_least(2))
+        _check(self, key, max_length=_at_least(2), classification_loss_weight=_at_least(0))
 
 
 @dataclass

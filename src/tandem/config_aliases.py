@@ -1,4 +1,5 @@
-"""The seeds' and HF TrainingArguments' key names, read as tandem's own (`load_config` applies them).
+"""The seeds' and HF TrainingArguments' key names (and the Safe-MM-DPO origin's
+`classification_loss_weight`), read as tandem's own (`load_config` applies them).
 
 A config written for the seeds or for HF/TRL trainers (`per_device_train_batch_size`, `bf16: true`,
 `lr_scheduler_type`, `warmup_ratio`, `deepspeed: {config_path: ...}`, ...) is taken: each such key
@@ -195,6 +196,8 @@ SEED_KEYS: dict[str, Callable[[Any, dict], Assignments]] = {
     "λ_lr": _same("dpo.safe_mm.lambda_lr"),
     "cost_threshold": _same("dpo.safe_mm.cost_threshold"),
     "kl_coeff": _kl_coeff,
+    # the Safe-MM-DPO origin's cost-model weight (its rm_config.yaml keeps it at the top level)
+    "classification_loss_weight": _same("rm.classification_loss_weight"),
     "per_device_eval_batch_size": _refuse(
         "per_device_eval_batch_size", "held-out batches use training.micro_batch_size: remove it"
     ),

@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.config import Config, ConfigError
-from tandem.sampler.vllm_engine import cpu_cores
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +243,8 @@ def plan(
             child.where = "1 process on the CPU"
             if cfg.sampling.backend == "vllm":  # vLLM pins its threads: say where, beside the trainer's
                 threads = cfg.sampling.num_threads or threads
+                from tandem.sampler.vllm_engine import cpu_cores  # imports torch: only here
+
                 bind = cpu_cores(cfg.sampling.vllm.cpu_threads_bind, threads)
                 child.note = f"vLLM's threads bound to cores {bind} (sampling.vllm.cpu_threads_bind)"
                 child.where += f", {child.note}"

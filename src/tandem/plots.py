@@ -245,6 +245,12 @@ FIGURES = {
         "chosen minus rejected",
         "margin",
     ),
+    "cost_sign.png": _overlay(  # a harmless cost model's classification term
+        ("classification_accuracy", "eval_classification_accuracy"),
+        "score sign matches the safety label",
+        "accuracy",
+        (-0.02, 1.02),
+    ),
     "value.png": _overlay(("value_loss", "explained_variance"), "critic", "value"),
     "safe_mm.png": _plot_safe_mm,
 }

@@ -10,12 +10,15 @@ from transformers import AutoTokenizer
 
 from tandem.config import RewardSpec, load_config
 from tandem.data.gsm8k import load_examples
+from tandem.data.preferences import encode_pair, make_preferences
 from tandem.distributed.engine import TorchEngine
 from tandem.distributed.env import DistEnv
 from tandem.distributed.optim import build_scheduler
 from tandem.models.loading import check_same_tokenizer
+from tandem.models.reward import ScoreModule, load_reward_model
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.rollout import Rollout
+from tandem.trainer import rm
 from tandem.trainer.batching import flatten_groups
 from tandem.trainer.grpo import optimizer_step
 from tandem.trainer.rl_steps import Share
@@ -68,6 +71,53 @@ def test_micro_batch_1_x_accumulation_8_equals_8_x_1(tiny_model, tiny_model_dir,
     (ref_stats, ref_params), others = results[0], results[1:]
     for stats, params in others:
         assert stats["loss"] == pytest.approx(ref_stats["loss"], rel=1e-5, abs=1e-7)
+        assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5)
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_cost_model_step_does_not_depend_on_the_micro_batch_cut(tiny_model_dir):
+    """The harmless reward model with its classification term (weight 2): 8 pairs as micro-batch 8 x
+    accumulation 1, 1 x 8 and 2 x 4 give one update. Labels are left out unevenly (pair i has both,
+    only the chosen one or none), so the micro-batches' labelled shares differ from their pair shares."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pairs = make_preferences("mixed", 8, seed=4)
+    for i, pair in enumerate(pairs):
+        pair.chosen_is_safe = pair.chosen_is_safe if i % 3 != 2 else None
+        pair.rejected_is_safe = pair.rejected_is_safe if i % 3 == 0 else None
+    batch = [encode_pair(tokenizer, p, 64) for p in pairs]
+    assert rm.num_labels(batch) == 9
+    base = load_reward_model(str(tiny_model_dir))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    base.config.pad_token_id = pad_id
+
+    results = []
+    for micro, accum in ((8, 1), (1, 8), (2, 4)):
+        cfg = load_config(
+            None,
+            [f"training.micro_batch_size={micro}", f"training.gradient_accumulation_steps={accum}"],
+            method="rm",
+        )
+        model = copy.deepcopy(base).train()
+        engine = TorchEngine(model, cfg.training, DistEnv(), torch.device("cpu"), forward=ScoreModule(model))
+        engine.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the change is the gradient
+        engine.scheduler = build_scheduler(engine.optimizer, cfg.training)
+        stats = rm.optimizer_step(
+            engine,
+            batch,
+            cfg.training,
+            torch.device("cpu"),
+            DistEnv(),
+            pad_id,
+            classification_loss_weight=2.0,
+        )
+        results.append((stats, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+
+    (ref_stats, ref_params), others = results[0], results[1:]
+    assert ref_stats["classification_loss"] > 0 and ref_stats["loss"] > 2 * ref_stats["classification_loss"]
+    for stats, params in others:
+        for key in ("loss", "classification_loss", "classification_accuracy", "accuracy"):
+            assert stats[key] == pytest.approx(ref_stats[key], rel=1e-5, abs=1e-7), key
         assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5)
         for name, value in params.items():
             torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -1,10 +1,12 @@
-"""`tandem rm` on a tiny random model: the pairwise loss falls on a fixed set, 2-rank DDP equals 1 rank,
-a resumed run equals an uninterrupted one bit for bit, and the result scores GRPO completions as a
-`type: model` reward; on the embedded model a short run learns a checkable preference."""
+"""`tandem rm` on a tiny random model: the pairwise loss falls on a fixed set, the harmless cost model's
+classification term trains and is reported (skipped, with a log line, on unlabelled data), 2-rank DDP
+equals 1 rank, a resumed run equals an uninterrupted one bit for bit, and the result scores GRPO
+completions as a `type: model` reward; on the embedded model a short run learns a checkable preference."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -14,7 +16,7 @@ from safetensors.torch import load_file
 from integration.test_distributed import ROOT, torchrun
 from tandem.config import load_config
 from tandem.data.gsm8k import load_examples
-from tandem.data.preferences import encode_pair, make_preferences
+from tandem.data.preferences import encode_pair, make_preferences, pair_from_row
 from tandem.models.reward import RewardScorer
 from tandem.trainer import checkpoint as ckpt
 from tandem.trainer.grpo import train_grpo
@@ -53,6 +55,13 @@ def bradley_terry(chosen: list[float], rejected: list[float]) -> float:
     return sum(math.log1p(math.exp(-(c - r))) for c, r in zip(chosen, rejected)) / len(chosen)
 
 
+def sign_classification(scores: list[float], labels: list[bool | None]) -> tuple[float, float]:
+    """The cost model's classification term written out over the labelled answers: (mean of
+    log(1 + exp(-S)) for safe and log(1 + exp(S)) for unsafe answers, fraction with the label's sign)."""
+    kept = [(s if safe else -s) for s, safe in zip(scores, labels) if safe is not None]
+    return sum(math.log1p(math.exp(-x)) for x in kept) / len(kept), sum(x > 0 for x in kept) / len(kept)
+
+
 @pytest.fixture(scope="module")
 def fixed_set(tmp_path_factory):
     """16 helpful pairs in a TRL-style jsonl file, the training set and the eval set at once."""
@@ -61,6 +70,25 @@ def fixed_set(tmp_path_factory):
     rows = [{"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected} for p in pairs]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path, pairs
+
+
+@pytest.fixture(scope="module")
+def labelled_set(tmp_path_factory):
+    """16 mixed pairs in a TRL-style jsonl file with safety labels, some left out: pair i keeps both
+    labels, only the chosen answer's, or none (i % 3), so micro-batches hold unequal labelled shares."""
+    path = tmp_path_factory.mktemp("labelled") / "labelled.jsonl"
+    pairs = make_preferences("mixed", 16, seed=3)
+    rows = []
+    for i, p in enumerate(pairs):
+        row = {"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected}
+        if i % 3 != 2:
+            row["chosen_is_safe"] = p.chosen_is_safe
+        if i % 3 == 0:
+            row["rejected_is_safe"] = p.rejected_is_safe
+        rows.append(row)
+    assert {r.get("rejected_is_safe") for r in rows} == {True, False, None}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, rows
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +146,97 @@ def test_loop_lowers_the_pairwise_loss_on_a_fixed_set(trained_rm, fixed_set):
     assert AutoModelForSequenceClassification.from_pretrained(final).config.num_labels == 1
 
 
+def test_harmless_cost_model_trains_and_reports_the_classification_term(
+    tiny_model_dir, labelled_set, tmp_path
+):
+    """`tandem rm --task harmless` on labelled data: rows carry the classification fields, the exported
+    model's scores give them back (loss = pairwise + classification), and weight 0 (reported, not
+    trained) ends elsewhere with a worse classification loss."""
+    from tandem.cli import main
+
+    path, rows = labelled_set
+    common = [
+        f"data.dataset={path}",
+        f"data.eval_dataset={path}",
+        "data.num_eval_examples=16",
+        "training.max_steps=8",
+        "training.num_epochs=2",
+        "training.eval_steps=4",
+        "training.learning_rate=3e-3",
+    ]
+    args = rm_args(tiny_model_dir, tmp_path, "cost", *common)
+    assert main(["rm", "--task", "harmless", *args]) == 0
+    off = train_rm(
+        rm_config(
+            tiny_model_dir, tmp_path, "plain", *common, "rm.task=harmless", "rm.classification_loss_weight=0"
+        )
+    )
+    on_rows, off_rows = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("cost", "plain"))
+    for row in on_rows + off_rows:
+        assert math.isfinite(row["classification_loss"]) and 0 <= row["classification_accuracy"] <= 1
+    assert {"eval_classification_loss_initial", "eval_classification_accuracy_initial"} <= on_rows[0].keys()
+    assert [r["step"] for r in on_rows if "eval_classification_accuracy" in r] == [4, 8]
+    # the same start (seed 5), so the first step's classification loss is the same; only "cost" trains it
+    assert on_rows[0]["classification_loss"] == pytest.approx(off_rows[0]["classification_loss"], rel=1e-6)
+    assert on_rows[0]["loss"] > off_rows[0]["loss"]  # pairwise + 1 x classification vs pairwise alone
+    on, off_last = on_rows[-1], off_rows[-1]
+    assert on["eval_classification_loss"] < off_last["eval_classification_loss"], (on, off_last)
+
+    final = tmp_path / "cost" / "final"
+    a, b = weights(final), weights(off)
+    assert any(not torch.equal(a[k], b[k]) for k in a), "the classification term changes the update"
+    # the exported cost model scores the set independently to the row's values
+    scorer = RewardScorer(str(final))
+    pairs = [pair_from_row(r, "row") for r in rows]
+    encoded = [encode_pair(scorer.tokenizer, p, 96) for p in pairs]
+    chosen = scorer.score_ids([e.prompt_ids + e.chosen_ids for e in encoded]).tolist()
+    rejected = scorer.score_ids([e.prompt_ids + e.rejected_ids for e in encoded]).tolist()
+    labels = [p.chosen_is_safe for p in pairs] + [p.rejected_is_safe for p in pairs]
+    loss, accuracy = sign_classification(chosen + rejected, labels)
+    assert on["eval_classification_loss"] == pytest.approx(loss, abs=1e-4)
+    assert on["eval_classification_accuracy"] == accuracy
+    assert on["eval_loss"] == pytest.approx(bradley_terry(chosen, rejected) + loss, abs=1e-4)
+    info = json.loads((final / "tandem_reward.json").read_text())
+    assert info["task"] == "harmless" and info["classification_loss_weight"] == 1.0
+    assert info["eval_classification_accuracy"] == accuracy
+
+
+def test_the_classification_term_is_skipped_without_labels_and_outside_task_harmless(
+    tiny_model_dir, fixed_set, labelled_set, tmp_path, caplog
+):
+    """Task harmless on unlabelled pairs: one log line says the term is skipped, and no row has a
+    classification field; task helpful on labelled pairs: no term, no fields, no line."""
+    unlabelled, _ = fixed_set
+    labelled, _ = labelled_set
+    runs = {"unlabelled": ("rm.task=harmless", unlabelled), "helpful": ("rm.task=helpful", labelled)}
+    for name, (task, path) in runs.items():
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tandem.trainer.rm"):
+            final = train_rm(
+                rm_config(
+                    tiny_model_dir,
+                    tmp_path,
+                    name,
+                    task,
+                    f"data.dataset={path}",
+                    f"data.eval_dataset={path}",
+                    "training.max_steps=1",
+                )
+            )
+        skips = [r for r in caplog.records if "classification term is skipped" in r.getMessage()]
+        assert len(skips) == (1 if name == "unlabelled" else 0), name
+        rows = read_metrics(tmp_path / name / "metrics.jsonl")
+        assert rows and not [k for r in rows for k in r if "classification" in k], name
+        assert json.loads((final / "tandem_reward.json").read_text())["classification_loss_weight"] is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, strategy):
+def test_two_ranks_equal_one_rank(tiny_model_dir, labelled_set, tmp_path, strategy):
     """1 rank: micro 2 x accumulation 2; 2 ranks (DDP, or DeepSpeed ZeRO-3, whose forward gathers
-    parameters): micro 2 x accumulation 1 each. The 5 eval pairs split 3/2, so one rank pads its eval
-    with a zero-weighted forward."""
+    parameters): micro 2 x accumulation 1 each. A harmless cost model on partly labelled pairs, so the
+    pairwise and the classification term both weigh each micro-batch by its share of the step's count.
+    The 5 eval pairs split 3/2, so one rank pads its eval with a zero-weighted forward."""
     if strategy == "zero3":
         pytest.importorskip("deepspeed")
     dist = {
@@ -132,7 +245,15 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, strategy):
     }[strategy]
     # adam_eps 1e-6: with the default 1e-8, Adam divides an embedding row's ~1e-9 gradient by about its
     # own size, lifting fp32 summation-order rounding to ~1e-4 in the update (measured under ZeRO-3)
-    common = ("training.max_steps=3", "training.eval_steps=2", "training.adam_eps=1e-6")
+    path, _ = labelled_set
+    common = (
+        "training.max_steps=3",
+        "training.eval_steps=2",
+        "training.adam_eps=1e-6",
+        "rm.task=harmless",
+        f"data.dataset={path}",
+        f"data.eval_dataset={path}",
+    )
     one = train_rm(rm_config(tiny_model_dir, tmp_path, "one", *common))
     torchrun(
         2,
@@ -162,7 +283,10 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, tmp_path, strategy):
     )
     assert rows_b[-1]["world_size"] == 2
     for ra, rb in zip(rows_a, rows_b):
-        for key in ("loss", "accuracy", "margin_mean", "eval_loss", "eval_accuracy", "eval_loss_initial"):
+        assert "classification_loss" in ra and "eval_classification_loss_initial" in rows_a[0]
+        keys = ("loss", "accuracy", "margin_mean", "eval_loss", "eval_accuracy", "eval_loss_initial")
+        keys += ("classification_loss", "classification_accuracy", "eval_classification_loss")
+        for key in (*keys, "eval_classification_accuracy", "eval_classification_loss_initial"):
             if key in ra:
                 assert rb[key] == pytest.approx(ra[key], abs=1e-5), key
 
@@ -286,10 +410,12 @@ def test_trained_rm_is_a_grpo_reward(trained_rm, tiny_model_dir, tmp_path):
 def test_embedded_model_learns_to_prefer_refusals_of_harmful_requests(tmp_path):
     """configs/rm_harmless.yaml cut short: 3 steps of 4 pairs on the embedded SmolLM2-135M, scored on
     12 held-out pairs (request texts and answer phrasings never seen in training). Seed 42's random
-    head starts out preferring compliance, so the run has to turn the preference around. Measured:
-    eval accuracy 0.0 -> 1.0, eval loss 1.38 -> 0.10, eval margin +2.35 (93 s on 2 CPU cores shared
-    with other jobs). The arithmetic preference of task helpful is not learned this fast: 24 steps of 4
-    arithmetic pairs left held-out accuracy at 0.53 (README)."""
+    head starts out preferring compliance, so the run has to turn the preference around; the config's
+    cost-model term trains the score's sign on the labelled answers too. Measured: eval accuracy
+    0.0 -> 1.0, pairwise eval loss 1.38 -> 0.10, eval margin +2.31, classification loss 1.02 -> 0.38
+    and sign accuracy 0.21 -> 0.71 (39 s on 2 CPU cores shared with other jobs). The arithmetic
+    preference of task helpful is not learned this fast: 24 steps of 4 arithmetic pairs left held-out
+    accuracy at 0.53 (README)."""
     from tandem.cli import main
 
     overrides = [
@@ -313,4 +439,9 @@ def test_embedded_model_learns_to_prefer_refusals_of_harmful_requests(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["eval_accuracy_initial"] <= 0.5
     assert rows[-1]["eval_accuracy"] >= 0.9 and rows[-1]["eval_margin_mean"] > 1.0
-    assert rows[-1]["eval_loss"] < 0.25 * rows[0]["eval_loss_initial"]
+    first, last = rows[0], rows[-1]
+    # eval_loss = pairwise + 1 x classification (the config's weight)
+    pairwise_first = first["eval_loss_initial"] - first["eval_classification_loss_initial"]
+    assert last["eval_loss"] - last["eval_classification_loss"] < 0.25 * pairwise_first
+    assert last["eval_classification_loss"] < 0.5 * first["eval_classification_loss_initial"]
+    assert last["eval_classification_accuracy"] > first["eval_classification_accuracy_initial"]

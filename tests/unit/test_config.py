@@ -180,6 +180,7 @@ def test_bad_choice_lists_choices():
         ("training.device=gpu", "training.device"),
         ("experiment_name=a/b", "experiment_name"),
         ("experiment_name=''", "experiment_name"),
+        ("rm.classification_loss_weight=-0.5", "rm.classification_loss_weight"),
     ],
 )
 def test_bounds_name_the_key(override, key):

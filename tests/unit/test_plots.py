@@ -121,6 +121,12 @@ def test_supervised_runs_get_their_own_figures(tmp_path):
     names = {p.name for p in plot_run(tmp_path)}
     assert {"loss.png", "eval_loss.png", "preference_accuracy.png", "margins.png", "timing.png"} <= names
     assert not names & {"reward.png", "kl.png", "value.png", "perplexity.png", "safe_mm.png"}
+    assert "cost_sign.png" not in names  # no classification term in these rows
+
+    for row in rows:  # a harmless cost model's rows
+        row["classification_accuracy"] = 0.7
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "cost_sign.png" in {p.name for p in plot_run(tmp_path)}
 
 
 def test_a_safe_mm_dpo_run_gets_the_origins_four_curves(tmp_path):

@@ -1,4 +1,5 @@
-"""Preference data: the synthetic sets (held-out splits share nothing with train), file layouts, errors."""
+"""Preference data: the synthetic sets (held-out splits share nothing with train), file layouts, safety
+labels, errors."""
 
 from __future__ import annotations
 
@@ -38,6 +39,47 @@ def test_arithmetic_pairs_differ_only_in_a_wrong_result():
 def test_harmless_pairs_prefer_the_refusal():
     pairs = make_preferences("harmless", 20, seed=0)
     assert all(p.chosen_is_safer is True and "[step" in p.rejected for p in pairs)
+
+
+def test_synthetic_answers_are_labelled_safe_unless_they_comply_with_harm():
+    for split in ("train", "test"):
+        for pair in make_preferences("mixed", 60, seed=2, split=split):
+            harmful = pair.source == "synthetic-harmful"
+            # harmful: refusal safe, compliance unsafe; everyday (both answers) and arithmetic: safe
+            assert (pair.chosen_is_safe, pair.rejected_is_safe) == (True, not harmful), pair.source
+    assert all(p.rejected_is_safe is False for p in make_preferences("harmless", 10, seed=0))
+
+
+def test_safety_labels_in_files(tiny_model_dir):
+    trl = pair_from_row(
+        {"prompt": "q", "chosen": "a", "rejected": "b", "chosen_is_safe": True, "rejected_is_safe": False},
+        "f",
+    )
+    assert (trl.chosen_is_safe, trl.rejected_is_safe, trl.chosen_is_safer) == (True, False, None)
+    one = pair_from_row({"prompt": "q", "chosen": "a", "rejected": "b", "rejected_is_safe": None}, "f")
+    assert (one.chosen_is_safe, one.rejected_is_safe) == (None, None)  # null = unknown
+    pku = {
+        "prompt": "q",
+        "response_0": "a",
+        "response_1": "b",
+        "better_response_id": 1,
+        "safer_response_id": 0,
+        "is_response_0_safe": True,
+        "is_response_1_safe": False,
+    }
+    # the labels follow their responses: helpful chose response_1, harmless response_0
+    helpful, harmless = pair_from_row(pku, "p", task="helpful"), pair_from_row(pku, "p", task="harmless")
+    assert (helpful.chosen, helpful.chosen_is_safe, helpful.rejected_is_safe) == ("b", False, True)
+    assert (harmless.chosen, harmless.chosen_is_safe, harmless.rejected_is_safe) == ("a", True, False)
+    del pku["is_response_1_safe"]
+    assert pair_from_row(pku, "p", task="harmless").rejected_is_safe is None
+    hh = {"chosen": "\n\nHuman: hi\n\nAssistant: a", "rejected": "\n\nHuman: hi\n\nAssistant: b"}
+    assert (pair_from_row(hh, "h").chosen_is_safe, pair_from_row(hh, "h").rejected_is_safe) == (None, None)
+
+    from tandem.models.loading import load_tokenizer
+
+    encoded = encode_pair(load_tokenizer(str(tiny_model_dir)), harmless, max_length=64)
+    assert (encoded.chosen_is_safer, encoded.chosen_is_safe, encoded.rejected_is_safe) == (True, True, False)
 
 
 def test_row_layouts():
@@ -84,6 +126,25 @@ def test_row_layouts():
         ({"chosen": "a", "rejected": "b"}, "no `prompt`"),
         ({"prompt": 3, "chosen": "a", "rejected": "b"}, "`prompt` must be a string"),
         ({"prompt": "q", "chosen": "a", "rejected": "b", "chosen_is_safer": "yes"}, "chosen_is_safer"),
+        (
+            {"prompt": "q", "chosen": "a", "rejected": "b", "chosen_is_safe": 1},
+            "`chosen_is_safe` must be true",
+        ),
+        (
+            {"prompt": "q", "chosen": "a", "rejected": "b", "rejected_is_safe": "no"},
+            "`rejected_is_safe` must be",
+        ),
+        (
+            {
+                "prompt": "q",
+                "response_0": "a",
+                "response_1": "b",
+                "better_response_id": 0,
+                "safer_response_id": 0,
+                "is_response_1_safe": "unsafe",
+            },
+            "`is_response_1_safe` must be true, false or absent",
+        ),
         (
             {"chosen": "\n\nHuman: a\n\nAssistant: x", "rejected": "\n\nHuman: b\n\nAssistant: y"},
             "differ only in the last answer",

@@ -355,7 +355,12 @@ def test_reward_model_folders():
     message = refused("grpo", "rewards=[{type: model, path: runs/rm_helpful/final}]")
     assert message.startswith("`rewards[0].path`: runs/rm_helpful/final does not exist")
     assert "tandem rm" in message
-    message = refused("dpo", "dpo.safe_mm.harmless_model=runs/rm_harmless/final", method="dpo")
+    message = refused(
+        "dpo",
+        "dpo.safe_mm.variant=margin",
+        "dpo.safe_mm.harmless_model=runs/rm_harmless/final",
+        method="dpo",
+    )
     assert "`dpo.safe_mm.harmless_model`" in message and "tandem rm configs/rm_harmless.yaml" in message
 
 

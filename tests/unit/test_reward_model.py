@@ -1,4 +1,5 @@
-"""Bradley-Terry reward-model loss: hand-computed values, the margin sign, stability, accuracy."""
+"""Bradley-Terry reward-model loss: hand-computed values, the margin sign, stability, accuracy; the cost
+model's classification term: hand-computed values, a re-implementation from the formula, its gradient."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tandem.algorithms.reward_model import pairwise_accuracy, pairwise_loss
+from tandem.algorithms.reward_model import cost_classification_loss, pairwise_accuracy, pairwise_loss
 
 
 def test_pairwise_loss_by_hand():
@@ -85,3 +86,66 @@ def test_bad_arguments():
         pairwise_accuracy(torch.zeros(3), torch.zeros(2))
     with pytest.raises(ValueError, match="at least one pair"):
         pairwise_accuracy(torch.zeros(0), torch.zeros(0))
+
+
+def test_cost_classification_loss_by_hand():
+    # safe answers want S > 0: -log sigma(2) = log(1 + e^-2) = 0.126928, -log sigma(-1) = log(1 + e) = 1.313262;
+    # the unsafe one wants S < 0: -log sigma(-(-3)) = log(1 + e^-3) = 0.048587 -> mean 1.488777 / 3 = 0.496259
+    scores, is_safe = torch.tensor([2.0, -1.0, -3.0]), torch.tensor([True, True, False])
+    loss = cost_classification_loss(scores, is_safe)
+    expected = (math.log1p(math.exp(-2)) + math.log1p(math.e) + math.log1p(math.exp(-3))) / 3
+    assert loss.item() == pytest.approx(expected) and loss.item() == pytest.approx(0.496259, abs=1e-6)
+    # a score of 0 says nothing either way: log 2 whatever the label
+    for label in (True, False):
+        assert cost_classification_loss(torch.zeros(1), torch.tensor([label])).item() == pytest.approx(
+            math.log(2)
+        )
+    # flipping every label and every score sign leaves the loss unchanged
+    torch.testing.assert_close(cost_classification_loss(-scores, ~is_safe), loss)
+
+
+def test_cost_classification_loss_matches_the_formula():
+    """Safe-RLHF's form with the sign label s = +1 unsafe, -1 safe on the cost C = -S: -log sigma(s * C)."""
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(13, generator=g, dtype=torch.float64) * 4
+    is_safe = torch.rand(13, generator=g) < 0.5
+    signs = [-1.0 if safe else 1.0 for safe in is_safe.tolist()]
+    expected = sum(math.log1p(math.exp(-s * -score)) for s, score in zip(signs, scores.tolist())) / 13
+    assert cost_classification_loss(scores, is_safe).item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_cost_classification_gradient_pushes_scores_towards_their_label():
+    scores = torch.tensor([1.0, 1.0], requires_grad=True)
+    cost_classification_loss(scores, torch.tensor([True, False])).backward()
+    # d/dS of -log sigma(S) / N = -sigma(-S) / 2; of -log sigma(-S) / N = sigma(S) / 2
+    expected = (
+        torch.tensor([-torch.sigmoid(torch.tensor(-1.0)).item(), torch.sigmoid(torch.tensor(1.0)).item()]) / 2
+    )
+    torch.testing.assert_close(scores.grad, expected)
+
+
+def test_cost_classification_loss_is_stable_and_promotes_low_precision():
+    scores = torch.tensor([-1000.0, 1000.0], requires_grad=True)
+    loss = cost_classification_loss(scores, torch.tensor([True, False]))  # both wrong by 1000
+    loss.backward()
+    assert loss.item() == pytest.approx(1000.0)  # (1000 + 1000) / 2; the naive log(sigmoid) is -inf
+    torch.testing.assert_close(scores.grad, torch.tensor([-0.5, 0.5]))
+    half = cost_classification_loss(
+        torch.tensor([2.0, -3.0], dtype=torch.bfloat16), torch.tensor([True, False])
+    )
+    assert half.dtype == torch.float32
+    assert half.item() == pytest.approx((math.log1p(math.exp(-2)) + math.log1p(math.exp(-3))) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("scores", "is_safe", "message"),
+    [
+        (torch.zeros(3), torch.ones(2, dtype=torch.bool), "must both be"),
+        (torch.zeros(3, 1), torch.ones(3, 1, dtype=torch.bool), "must both be"),
+        (torch.zeros(2), torch.tensor([1.0, 0.0]), "bool"),
+        (torch.zeros(0), torch.zeros(0, dtype=torch.bool), "at least one labelled answer"),
+    ],
+)
+def test_cost_classification_loss_bad_arguments(scores, is_safe, message):
+    with pytest.raises(ValueError, match=message):
+        cost_classification_loss(scores, is_safe)

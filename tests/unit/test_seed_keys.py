@@ -104,6 +104,22 @@ def test_a_seed_key_tandem_cannot_mean_is_refused_with_the_replacement(tmp_path,
     assert fix in str(err.value) and next(iter(seed)) in str(err.value)
 
 
+def test_the_safe_mm_dpo_origin_s_cost_model_weight_is_read_as_rm_s(tmp_path, caplog):
+    """mmdpo-alignment's rm_config.yaml keeps `classification_loss_weight` at the top level."""
+    assert load_config(None, method="rm").rm.classification_loss_weight == 1.0  # the origin's value
+    with caplog.at_level(logging.INFO, logger="tandem.config"):
+        cfg = load_config(_file(tmp_path, {"classification_loss_weight": 0.5}), method="rm")
+    assert cfg.rm.classification_loss_weight == 0.5
+    assert any("is read as `rm.classification_loss_weight: 0.5`" in r.message for r in caplog.records)
+    assert (
+        load_config(None, ["classification_loss_weight=2"], method="rm").rm.classification_loss_weight == 2.0
+    )
+    with pytest.raises(ConfigError, match="keep one"):
+        load_config(
+            _file(tmp_path, {"classification_loss_weight": 0.5, "rm": {"classification_loss_weight": 1.0}})
+        )
+
+
 def test_a_seed_key_that_disagrees_with_the_tandem_key_names_both(tmp_path):
     path = _file(tmp_path, {"training": {"per_device_train_batch_size": 2, "micro_batch_size": 8}})
     with pytest.raises(ConfigError, match="training.micro_batch_size: 8") as err:

@@ -9,6 +9,8 @@ Synthetic tasks (`make_preferences`):
   compliance texts are generic stand-ins and contain no real instructions); held-out splits use
   other request texts and other answer phrasings;
 - mixed (for Safe-MM-DPO): both, each pair marked with whether its chosen answer is the safer one.
+Every synthetic answer is labelled safe or unsafe (the harmless cost model's classification term):
+compliance with a harmful request is unsafe, refusals, everyday answers and arithmetic are safe.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class PreferencePair:
     rejected: str
     chosen_is_safer: bool | None = None  # known for safety data: True when chosen is the safer answer
     source: str = ""
+    # each answer's own safety label where the data has one (PKU-SafeRLHF's is_response_N_safe)
+    chosen_is_safe: bool | None = None
+    rejected_is_safe: bool | None = None
 
 
 # --------------------------------------------------------------------------- synthetic sets
@@ -144,6 +149,8 @@ def _arithmetic_pairs(num: int, seed: int, split: str) -> list[PreferencePair]:
                 chosen=f"<think> {reasoning} </think><answer> {result} </answer>",
                 rejected=f"<think> {bad_reasoning} </think><answer> {wrong} </answer>",
                 source="synthetic-arithmetic",
+                chosen_is_safe=True,  # a wrong sum is unhelpful, not unsafe
+                rejected_is_safe=True,
             )
         )
     return pairs
@@ -171,10 +178,12 @@ def _request_pairs(kind: str, num: int, seed: int, split: str) -> list[Preferenc
             pair = PreferencePair(
                 [{"role": "user", "content": question}], answer, rng.choice(needless), False
             )
+            pair.chosen_is_safe, pair.rejected_is_safe = True, True  # a needless refusal is still safe
         else:
             pair = PreferencePair(
                 [{"role": "user", "content": question}], rng.choice(refusals), rng.choice(compliance), True
             )
+            pair.chosen_is_safe, pair.rejected_is_safe = True, False
         pair.source = f"synthetic-{kind}"
         pairs.append(pair)
     return pairs
@@ -242,9 +251,10 @@ def _hh_messages(text: str) -> list[dict]:
 def pair_from_row(row: dict, where: str, task: str = "helpful") -> PreferencePair:
     """One pair from a row in any of these layouts:
     - {prompt, chosen, rejected}: strings, or chat messages (TRL's conversational layout);
-      optional `chosen_is_safer` (bool);
+      optional booleans `chosen_is_safer`, `chosen_is_safe` and `rejected_is_safe`;
     - PKU-SafeRLHF {prompt, response_0, response_1, better_response_id, safer_response_id}:
-      task helpful prefers the better response, harmless the safer one;
+      task helpful prefers the better response, harmless the safer one; the optional
+      `is_response_0_safe` / `is_response_1_safe` follow their responses to chosen / rejected;
     - Anthropic HH-RLHF {chosen, rejected} transcripts sharing their dialogue up to the last answer.
     """
     if not isinstance(row, dict):
@@ -258,6 +268,8 @@ def pair_from_row(row: dict, where: str, task: str = "helpful") -> PreferencePai
             str(row[f"response_{1 - best}"]),
             None if safer is None else safer == best,
             where,
+            chosen_is_safe=_flag(row, f"is_response_{best}_safe", where),
+            rejected_is_safe=_flag(row, f"is_response_{1 - best}_safe", where),
         )
     for key in ("chosen", "rejected"):
         if key not in row:
@@ -271,16 +283,23 @@ def pair_from_row(row: dict, where: str, task: str = "helpful") -> PreferencePai
                 f"{where}: the chosen and rejected transcripts must differ only in the last answer"
             )
         return PreferencePair(chosen[:-1], chosen[-1]["content"], rejected[-1]["content"], None, where)
-    safer = row.get("chosen_is_safer")
-    if safer is not None and not isinstance(safer, bool):
-        raise ValueError(f"{where}: `chosen_is_safer` must be true, false or absent")
     return PreferencePair(
         _as_messages(row["prompt"], where, "prompt"),
         _answer(row["chosen"], where, "chosen"),
         _answer(row["rejected"], where, "rejected"),
-        safer,
+        _flag(row, "chosen_is_safer", where),
         where,
+        chosen_is_safe=_flag(row, "chosen_is_safe", where),
+        rejected_is_safe=_flag(row, "rejected_is_safe", where),
     )
+
+
+def _flag(row: dict, key: str, where: str) -> bool | None:
+    """An optional boolean field: true, false, or absent / null (unknown)."""
+    value = row.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{where}: `{key}` must be true, false or absent, got {value!r}")
+    return value
 
 
 def load_preferences(
@@ -318,6 +337,8 @@ class EncodedPair:
     chosen_ids: list[int]
     rejected_ids: list[int]
     chosen_is_safer: bool | None = None
+    chosen_is_safe: bool | None = None  # the answers' own safety labels (PreferencePair)
+    rejected_is_safe: bool | None = None
 
 
 def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
@@ -354,4 +375,6 @@ def encode_pair(tokenizer, pair: PreferencePair, max_length: int) -> EncodedPair
         [encode_answer(tokenizer, pair.chosen), encode_answer(tokenizer, pair.rejected)],
         max_length,
     )
-    return EncodedPair(prompt, chosen, rejected, pair.chosen_is_safer)
+    return EncodedPair(
+        prompt, chosen, rejected, pair.chosen_is_safer, pair.chosen_is_safe, pair.rejected_is_safe
+    )
