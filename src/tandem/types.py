@@ -12,16 +12,23 @@ import torch
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt row: a question and its gold final answer.
+    """One prompt row.
 
-    `answer` is the gold final number as a string ("72", "1200"); `metadata` carries the rest
-    of the row, e.g. the full gold solution text (`solution`) and where it came from (`source`).
+    `question` is the user's text (for a chat prompt, its last user turn); `answer` the gold final
+    answer where the task has one ("72"; "" where it has none); `metadata` carries bookkeeping such
+    as the full gold solution text (`solution`) and where the row came from (`source`).
+    `prompt` is the row's own prompt, a string (plain text, continued as is) or a list of chat
+    messages; None means "build it from `question`" with the configured system prompt and shots.
+    `columns` holds every other column of the row by name: rewards receive them as keyword
+    arguments, one value per completion (TRL's calling convention), and sample logs show them.
     """
 
     prompt_id: str
     question: str
     answer: str
     metadata: dict = field(default_factory=dict)
+    prompt: str | list[dict] | None = None
+    columns: dict = field(default_factory=dict)
 
 
 @dataclass

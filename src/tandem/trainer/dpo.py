@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import math
 import time
@@ -37,6 +38,7 @@ from tandem.models.forward import pack_rows
 from tandem.models.loading import check_same_tokenizer, load_tokenizer
 from tandem.models.lora import BaseOfAdapter, is_lora
 from tandem.models.reward import RewardScorer
+from tandem.rewards.model import INFO_FILE
 from tandem.trainer import run
 from tandem.trainer.run import export_final, load_policy, open_run, run_distributed
 
@@ -174,6 +176,8 @@ def prepare(cfg: Config, engine, tokenizer, env: DistEnv, device: torch.device):
     evals = PairData([encode_pair(tokenizer, p, cfg.dpo.max_length) for p in eval_raw], pad_id)
     t0 = time.perf_counter()
     if cfg.dpo.safe_mm.enabled:
+        if cfg.dpo.safe_mm.variant == "lagrangian" and env.is_main:
+            warn_if_not_a_cost_model(cfg.dpo.safe_mm.harmless_model)
         for data, raw in ((train, train_raw), (evals, eval_raw)):
             if not raw:
                 continue
@@ -200,6 +204,20 @@ def prepare(cfg: Config, engine, tokenizer, env: DistEnv, device: torch.device):
             time.perf_counter() - t0,
         )
     return train, evals, reference
+
+
+def warn_if_not_a_cost_model(path: str) -> None:
+    """Variant lagrangian reads the harmless model's score S as a cost C = -S with 0 as the line
+    between safe and unsafe; a model trained on pairs alone (no safety labels) has no such zero."""
+    info = Path(path).expanduser() / INFO_FILE
+    if info.is_file() and json.loads(info.read_text()).get("classification_loss_weight") is None:
+        log.warning(
+            "dpo.safe_mm.harmless_model %s was trained without safety labels (no classification term): "
+            "its scores have no zero point, so the sign of the cost J_C, and which way lambda moves, "
+            "depend on its offset; train it with labelled data (README: the cost model) or set "
+            "dpo.safe_mm.cost_threshold to its score of a borderline answer",
+            path,
+        )
 
 
 def check_config(cfg: Config) -> None:
