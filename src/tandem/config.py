@@ -156,15 +156,22 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = "synthetic"  # "synthetic" | "gsm8k" (openai/gsm8k) | path to .jsonl/.parquet
+    # "synthetic" | "gsm8k" (openai/gsm8k) | a .jsonl/.json/.csv/.parquet file | a folder (GSM8K
+    # layout, or saved by `datasets`) | a hub data set id (needs a network)
+    dataset: str = "synthetic"
     split: str = "train"
     num_examples: int = 2000  # synthetic: how many to generate; files: cap (0 = all)
     difficulty: int = 1  # synthetic data: 1 = one-step small numbers, 2 = up to two steps, numbers < 1000
     eval_dataset: str | None = None  # same forms as dataset; None = held-out synthetic / gsm8k test
     num_eval_examples: int = 200
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    num_shots: int = 1  # worked examples shown before the question, as chat turns
-    prefill: str = "<think>"  # text the assistant turn starts with (part of the response)
+    prompt_column: str = "prompt"  # a row's prompt: a string (continued as is) or chat messages
+    # null = the task's own: rows built from a question (synthetic, GSM8K) get the math prompt, one
+    # built-in shot and the "<think>" prefill; a row's own prompt gets none of them
+    system_prompt: str | None = None
+    shots: str | None = None  # a .jsonl of {"prompt", "completion"} worked examples, as chat turns
+    num_shots: int | None = None  # how many of the shots (null: all of data.shots, 1 built-in)
+    prefill: str | None = None  # text the assistant turn starts with (part of the response)
+    chat_template: str | None = None  # a Jinja file or template text instead of the tokenizer's
     shuffle: bool = True
 
     def check(self, key: str = "data") -> None:
@@ -177,7 +184,8 @@ class DataConfig:
                 "1 (one step, small numbers) or 2 (up to two steps, numbers < 1000)",
             ),
             num_eval_examples=_at_least(0),
-            num_shots=_at_least(0),
+            num_shots=(lambda v: v is None or v >= 0, ">= 0, or null (all shots given)"),
+            prompt_column=(lambda v: isinstance(v, str) and v != "", "a column name"),
         )
 
 
@@ -252,11 +260,15 @@ class VLLMSpec:
     # CPU only: the cores the engine's threads are bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND):
     # auto = the last sampling.num_threads cores this process may use; or "0-3", "0,2", "nobind"
     cpu_threads_bind: str = "auto"
+    # groups per batch scored again by the sampler's copy of the policy (same weights, the trainer's
+    # forward): the engine's log-prob gap in every sampler row (engine_logprob_*); 0 = off
+    check_groups: int = 1
 
     def check(self, key: str = "sampling.vllm") -> None:
         _check(
             self,
             key,
+            check_groups=_at_least(0, "0 = off"),
             gpu_memory_utilization=_within(0, 1, open_low=True),
             max_model_len=_at_least(0, "0 = from the prompt budget and sampling.max_new_tokens"),
             tensor_parallel_size=_at_least(1),

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tandem.config import ConfigError, RewardSpec
-from tandem.data.gsm8k import load_examples
+from tandem.config import ConfigError, DataConfig, RewardSpec
+from tandem.data.prompt_sets import load_examples
+from tandem.data.prompts import prompt_style
 from tandem.distributed.runtime import resolve_device, use_device
 from tandem.models.loading import check_model_spec, load_causal_lm, load_tokenizer
 from tandem.preflight import check_dataset, check_device
@@ -121,11 +122,24 @@ def evaluate(
         max_new_tokens=max_new_tokens,
     )
     settings, sources = eval_settings(model, config, **given)
-    log.info("generation settings: %s", describe_settings(settings, sources))
     try:
         examples = load_examples(dataset, split, num_examples, seed, difficulty=settings["difficulty"])
+        style = DataConfig(
+            system_prompt=settings["system_prompt"],
+            num_shots=settings["num_shots"],
+            prefill=settings["prefill"],
+        )
+        question_style = prompt_style(style, from_question=True)
+        row_style = prompt_style(style, from_question=False)
     except ValueError as err:  # a bad row or an empty file: named, not a traceback
         raise ConfigError(f"`--dataset` {dataset}: {err}") from None
+    # what an unset (null) setting means for these rows: the math task's, or nothing for own prompts
+    used = question_style if examples[0].prompt is None else row_style
+    resolved = {"system_prompt": used.system_prompt, "num_shots": len(used.shots), "prefill": used.prefill}
+    for key, value in resolved.items():
+        if settings[key] is None:
+            settings[key] = value
+    log.info("generation settings: %s", describe_settings(settings, sources))
 
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(spec)
@@ -137,9 +151,8 @@ def evaluate(
         reference=None,
         tokenizer=tokenizer,
         rewards=RewardSet.from_specs([RewardSpec("answer"), RewardSpec("format")]),
-        system_prompt=settings["system_prompt"],
-        num_shots=settings["num_shots"],
-        prefill=settings["prefill"],
+        question_style=question_style,
+        row_style=row_style,
         num_generations=num_samples,
         max_new_tokens=settings["max_new_tokens"],
         temperature=temperature,
@@ -150,7 +163,7 @@ def evaluate(
     start = time.perf_counter()
     groups = _generate(rollout, examples, batch_size, num_samples, progress=progress)
     seconds = time.perf_counter() - start
-    rows = _rows(examples, groups, settings["prefill"])
+    rows = _rows(examples, groups, rollout)
     return {
         "model": model,
         "dataset": dataset,
@@ -188,11 +201,11 @@ def _generate(rollout: Rollout, examples: list, batch_size: int, num_samples: in
     return groups
 
 
-def _rows(examples: list, groups: list, prefill: str) -> list[dict]:
+def _rows(examples: list, groups: list, rollout: Rollout) -> list[dict]:
     rows = []
     for example, group in zip(examples, groups):
         for c in group.completions:
-            response = prefill + c.text
+            response = rollout.style(example).prefill + c.text
             rows.append(
                 {
                     "prompt_id": example.prompt_id,

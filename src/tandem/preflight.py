@@ -3,7 +3,9 @@
 Every CLI command calls `check_run(cfg, command)` right after loading its config: each path it
 names (data, models, reward models, checkpoints, DeepSpeed and CURVE files), hub ids (one short
 probe, never transformers' retries), reward functions, optional packages and the device. A failure
-is a one-line ConfigError naming the key and the fix; nothing here loads a model or a data set.
+is a one-line ConfigError naming the key and the fix. Nothing here loads a model; a sampler's local
+prompt file is read and checked row by row (a bad row is named before any model loads); hub data
+sets are only probed.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from pathlib import Path
 
 from tandem.config import Config, ConfigError, CurveConfig, TrainingConfig
 from tandem.data import gsm8k
+from tandem.data.files import is_saved_dataset
 from tandem.models import loading
 
 COMMANDS = ("grpo", "ppo", "train", "sample", "launch", "sft", "rm", "dpo")
 # what each data loader accepts (data/gsm8k.py load_examples, data/sft.py, data/preferences.py)
 DATA_FORMS = {
-    "prompts": "synthetic, gsm8k (openai/gsm8k from the hub), or a local GSM8K-format .jsonl/.parquet "
-    "file or a folder holding SPLIT.jsonl",
+    "prompts": "synthetic, gsm8k (openai/gsm8k from the hub), a .jsonl/.json/.csv/.parquet file with a "
+    "prompt column (or GSM8K's question/answer), a folder saved by `datasets` or holding SPLIT.jsonl, "
+    "or a hub data set id (org/name)",
     "sft": "synthetic, gsm8k, a .jsonl/.parquet file, or a hub data set id (org/name)",
     "preferences": "synthetic, a .jsonl/.parquet file, or a hub data set id (org/name)",
 }
@@ -156,9 +160,29 @@ def _check_data(cfg: Config, *, trainer: bool, sampler: bool, probes: dict) -> N
         if d.eval_dataset is not None and d.num_eval_examples > 0:
             sources.append(("data.eval_dataset", d.eval_dataset, use, "test"))
     for key, source, use, split in sources:
-        if check_dataset(source, key, use=use, split=split, probe=False) == "hub":
+        kind = check_dataset(source, key, use=use, split=split, probe=False)
+        if kind == "hub":
             repo = _hub_repo(source)
             probes.setdefault(f"data:{repo}", lambda repo=repo, key=key: _probe_data(repo, key))
+        elif use == "prompts" and kind in ("file", "folder"):
+            check_prompt_rows(cfg, key, source, split)
+
+
+def check_prompt_rows(cfg: Config, key: str, source: str, split: str) -> None:
+    """Read a local prompt set the way the sampler will (data/prompt_sets.py) and check the prompt
+    format settings against it: a bad row is named (file:line, the column) before any model loads."""
+    from tandem.data.prompt_sets import load_examples
+    from tandem.data.prompts import prompt_style
+
+    d = cfg.data
+    try:
+        load_examples(
+            source, split, d.num_examples, cfg.seed, difficulty=d.difficulty, prompt_column=d.prompt_column
+        )
+        prompt_style(d, from_question=True)
+        prompt_style(d, from_question=False)
+    except ValueError as err:
+        raise ConfigError(f"`{key}`: {err}") from None
 
 
 def check_dataset(
@@ -207,10 +231,6 @@ def _refuse_missing_data(source: str, key: str, use: str) -> None:
     close = difflib.get_close_matches(source, names, n=1, cutoff=0.6)
     if close:
         raise ConfigError(f"`{key}` is {source!r}: did you mean {close[0]}? It takes {forms}")
-    if use == "prompts":
-        raise ConfigError(
-            f"`{key}`: {source} is neither a local file or folder nor gsm8k; prompts come from {forms}"
-        )
     if "/" not in source:
         raise ConfigError(f"`{key}` is {source!r}, which is not a data source; it takes {forms}")
 
@@ -259,19 +279,18 @@ def _check_data_file(path: Path, source: str, key: str) -> None:
         if importlib.util.find_spec("pyarrow") is None and importlib.util.find_spec("pandas") is None:
             raise ConfigError(f"`{key}`: reading {source} (.parquet) needs pyarrow: pip install pyarrow")
         return
-    if suffix in (".csv", ".tsv"):
-        raise ConfigError(
-            f"`{key}`: {source} is a {suffix} file; tandem reads .jsonl (one JSON object per line) and "
-            ".parquet: convert it"
-        )
     with path.open("rb") as f:
         head = f.read(65536).lstrip()
     if not head:
         raise ConfigError(f"`{key}`: {source} is empty; give a .jsonl file with one JSON object per line")
+    if suffix in (".csv", ".tsv"):
+        return
+    if head[:1] == b"[" and suffix == ".json":
+        return
     if head[:1] == b"[":
         raise ConfigError(
-            f"`{key}`: {source} holds a JSON array; tandem reads JSON lines (one object per line): "
-            "convert it, e.g. jq -c '.[]' in.json > out.jsonl"
+            f"`{key}`: {source} holds a JSON array; name it .json (an array of objects) or write JSON "
+            "lines (one object per line), e.g. jq -c '.[]' in.json > out.jsonl"
         )
     if head[:1] != b"{":
         raise ConfigError(
@@ -281,7 +300,14 @@ def _check_data_file(path: Path, source: str, key: str) -> None:
 
 
 def _check_data_folder(path: Path, source: str, key: str, *, use: str, split: str, split_key: str) -> None:
-    """Only prompts (data/gsm8k.py) read folders: SPLIT.jsonl, SPLIT.parquet or SPLIT-*.parquet."""
+    """Only prompts (data/prompt_sets.py) read folders: saved by `datasets`, or SPLIT.jsonl,
+    SPLIT.parquet or SPLIT-*.parquet."""
+    if use == "prompts" and is_saved_dataset(path):
+        if importlib.util.find_spec("datasets") is None:
+            raise ConfigError(
+                f"`{key}`: {source} was saved by `datasets`; reading it needs it: pip install datasets"
+            )
+        return
     files = sorted(
         p for folder in (path, path / "main") for p in folder.glob("*") if p.suffix in (".jsonl", ".parquet")
     )
@@ -290,7 +316,7 @@ def _check_data_folder(path: Path, source: str, key: str, *, use: str, split: st
         who = "SFT" if use == "sft" else "rm and dpo"
         raise ConfigError(f"`{key}`: {source} is a folder; {who} read one .jsonl/.parquet file{inside}")
     try:
-        found = gsm8k._files_for(source, split)
+        found = gsm8k.files_for(source, split)
     except ValueError:
         splits = sorted({p.name.split(".")[0].split("-")[0] for p in files})
         fix = (

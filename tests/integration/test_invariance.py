@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from tandem.config import RewardSpec, load_config
 from tandem.data.gsm8k import load_examples
 from tandem.data.preferences import encode_pair, make_preferences
+from tandem.data.prompts import PromptStyle
 from tandem.distributed.engine import TorchEngine
 from tandem.distributed.env import DistEnv
 from tandem.distributed.optim import build_scheduler
@@ -30,9 +31,8 @@ def _groups(model, tokenizer):
         reference=model,
         tokenizer=tokenizer,
         rewards=RewardSet.from_specs([RewardSpec("function", function="tiny_rewards:digit_count")]),
-        system_prompt="",
-        num_shots=0,
-        prefill="",
+        question_style=PromptStyle("", (), ""),
+        row_style=PromptStyle(),
         num_generations=4,
         max_new_tokens=10,
         generator=torch.Generator().manual_seed(0),

@@ -101,6 +101,12 @@ def test_grpo_with_the_vllm_sampler_is_on_policy_at_every_version(tmp_path, vllm
     made = run.sampler_rows()
     assert [r["policy_version"] for r in made][:4] == [0, 1, 2, 3]  # (a last one may go unused)
     assert all(r["time_weights_engine"] > 0 for r in made)  # each version went into the engine
+    # every batch's first group scored again by the sampler's copy of the same weights
+    assert all(r["engine_logprob_tokens"] > 0 for r in made)
+    assert all(0 <= r["engine_logprob_diff"] < FP32_LOGPROB_TOL for r in made), made
+    assert all(abs(r["engine_logprob_kl"]) < 1e-8 for r in made)
+    # on-policy: the trainer compares every step too, and finds the same tiny gap
+    assert all(r["sampler_logprob_tokens"] > 0 and r["sampler_logprob_diff"] < FP32_LOGPROB_TOL for r in rows)
     assert "vLLM engine" in run.log("s0")
 
 

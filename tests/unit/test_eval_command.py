@@ -15,6 +15,7 @@ import torch
 from tandem.cli import main
 from tandem.config import ConfigError, RewardSpec, dump_config, load_config
 from tandem.data.gsm8k import load_examples
+from tandem.data.prompts import PromptStyle
 from tandem.evaluate import _generate, evaluate
 from tandem.models.loading import load_causal_lm, load_tokenizer
 from tandem.rewards.registry import RewardSet
@@ -88,9 +89,8 @@ def test_batches_under_the_progress_bar_generate_what_one_call_does(tiny_model_d
             reference=None,
             tokenizer=tokenizer,
             rewards=RewardSet.from_specs([RewardSpec("answer")]),
-            system_prompt="Solve it.",
-            num_shots=0,
-            prefill="<think>",
+            question_style=PromptStyle("Solve it.", (), "<think>"),
+            row_style=PromptStyle(),
             num_generations=2,
             max_new_tokens=6,
             temperature=1.0,  # sampled: the random stream must be consumed in the same order

@@ -266,11 +266,30 @@ def test_folders_are_for_prompts_only():
 
 
 def test_files_tandem_cannot_read_are_named():
-    Path("rows.csv").write_text("question,answer\n")
-    Path("rows.json").write_text('[{"question": "q"}]')
-    assert "rows.csv is a .csv file" in refused("sft", "data.dataset=rows.csv", method="sft")
-    assert "holds a JSON array; tandem reads JSON lines" in refused(
-        "sft", "data.dataset=rows.json", method="sft"
+    Path("rows.txt").write_text("question,answer\n")
+    Path("rows.jsonl").write_text('[{"question": "q"}]')
+    assert "rows.txt is not JSON lines" in refused("sft", "data.dataset=rows.txt", method="sft")
+    assert "holds a JSON array; name it .json" in refused("sft", "data.dataset=rows.jsonl", method="sft")
+    Path("rows.csv").write_text("prompt,solution\nWhat is 2+2?,4\n")
+    Path("rows.json").write_text('[{"prompt": "What is 2+2?", "solution": "4"}]')
+    for name in ("rows.csv", "rows.json"):  # read as prompt sets
+        check_run(config(f"data.dataset={name}"), "grpo")
+
+
+def test_a_bad_prompt_row_is_named_before_any_model_loads():
+    Path("tasks.jsonl").write_text(
+        '{"prompt": [{"role": "user", "content": "hi"}], "solution": "1"}\n'
+        '{"prompt": [{"role": "user", "text": "hi"}], "solution": "2"}\n'
+    )
+    message = refused("grpo", "data.dataset=tasks.jsonl")
+    assert message == "`data.dataset`: tasks.jsonl:2: column `prompt`, message 0: needs a string `content`"
+    Path("tasks.jsonl").write_text('{"question": "q", "solution": "1"}\n')
+    message = refused("grpo", "data.dataset=tasks.jsonl")
+    assert "tasks.jsonl:1: no `prompt` column (data.prompt_column)" in message
+    assert "['question', 'solution']" in message
+    check_run(config("data.dataset=tasks.jsonl", "data.prompt_column=question"), "grpo")
+    assert "num_shots is 3" in refused(
+        "grpo", "data.dataset=tasks.jsonl", "data.prompt_column=question", "data.num_shots=3"
     )
 
 
@@ -313,8 +332,9 @@ def test_a_hub_data_set_is_probed_as_a_data_set(isolated_hub, monkeypatch):
 
 def test_data_names_that_are_no_source_are_named():
     assert "did you mean synthetic?" in refused("grpo", "data.dataset=synthtic")
-    message = refused("grpo", "data.dataset=org/prompts")
-    assert "neither a local file or folder nor gsm8k" in message
+    message = refused("grpo", "data.dataset=org/prompts")  # prompts may come from the hub now:
+    # without `datasets` the fix is to install it, with it the hub is asked (no such set)
+    assert "org/prompts is a hub data set" in message or "the hub has no data set org/prompts" in message
     assert "has no preference pairs" in refused("rm", "data.dataset=gsm8k", method="rm")
 
 

@@ -1,6 +1,6 @@
-"""Data-set rows from .jsonl and .parquet files or a hub data set, each labelled with where it came
-from (`file:line`, `file:row i`), so a bad row's error names its place. GSM8K, SFT and preference
-loading all read through these.
+"""Data-set rows from .jsonl, .json, .csv and .parquet files, folders saved by `datasets`, or a hub data
+set, each labelled with where it came from (`file:line`, `file:row i`), so a bad row's error names its
+place. Prompt, SFT and preference loading all read through these.
 """
 
 from __future__ import annotations
@@ -43,9 +43,66 @@ def read_parquet(path: Path) -> Rows:
     return [(f"{path}:row {i}", row) for i, row in enumerate(records)]
 
 
+def read_json(path: Path) -> Rows:
+    """A .json file holding an array of objects (`file:row i`), or JSON lines under a .json name."""
+    text = path.read_text(encoding="utf-8")
+    if not text.lstrip().startswith("["):
+        return read_jsonl(path)
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from err
+    return [(f"{path}:row {i}", row) for i, row in enumerate(records)]
+
+
+def read_csv(path: Path) -> Rows:
+    """A .csv (or tab-separated .tsv) file with a header row; values stay strings, labelled
+    `file:line` (the header is line 1)."""
+    import csv
+
+    delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
+    with path.open(encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f, delimiter=delimiter)
+        rows = []
+        for row in reader:
+            if None in row:  # more fields than the header names
+                raise ValueError(f"{path}:{reader.line_num}: more values than the header's columns")
+            rows.append((f"{path}:{reader.line_num}", dict(row)))
+    return rows
+
+
 def read_rows(path: Path) -> Rows:
-    """A .parquet file by read_parquet, anything else as JSON lines."""
-    return read_parquet(path) if path.suffix == ".parquet" else read_jsonl(path)
+    """A file by its suffix: .parquet, .json, .csv/.tsv; anything else as JSON lines."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return read_parquet(path)
+    if suffix == ".json":
+        return read_json(path)
+    if suffix in (".csv", ".tsv"):
+        return read_csv(path)
+    return read_jsonl(path)
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by `datasets`' save_to_disk (one split, or a DatasetDict of splits)."""
+    return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def read_saved_dataset(path: Path, split: str) -> Rows:
+    """Rows of a folder saved by `datasets` (`Dataset.save_to_disk`; a DatasetDict gives `split`),
+    labelled `folder[split] row i`."""
+    try:
+        import datasets
+    except ImportError as err:
+        raise ValueError(
+            f"{path} was saved by `datasets`; reading it needs that package: pip install datasets"
+        ) from err
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(f"{path} holds the splits {sorted(loaded)}, not {split!r}; set data.split")
+        loaded = loaded[split]
+    return [(f"{path}[{split}] row {i}", row) for i, row in enumerate(loaded)]
 
 
 def read_hub(

@@ -1,7 +1,8 @@
 """GSM8K loading: local jsonl/parquet files or folders, or the hub id `openai/gsm8k` when online.
 
-`load_examples` is the one entry point the sampler uses: "synthetic" for the embedded arithmetic
-generator, anything else for GSM8K-format data (`question`, `answer` ending in `#### N`).
+GSM8K-format data (`question`, `answer` ending in `#### N`). The sampler reads prompts through
+data/prompt_sets.py, which turns such rows into Examples here; `load_examples` is the math-only
+entry point of SFT's worked solutions.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import re
 from pathlib import Path
 
 from tandem.data import arithmetic
-from tandem.data.files import read_hub, read_rows
+from tandem.data.files import Rows, read_hub, read_rows
 from tandem.types import Example
 
 HUB_IDS = ("openai/gsm8k", "gsm8k")
@@ -33,7 +34,7 @@ def plain_solution(solution: str) -> str:
     return " ".join(line.strip() for line in re.sub(r"<<[^>]*>>", "", solution).splitlines())
 
 
-def _files_for(source: str, split: str) -> list[Path]:
+def files_for(source: str, split: str) -> list[Path]:
     """The data files that `source` (a file, or a folder holding `split`) names."""
     path = Path(source).expanduser()
     if path.is_file():
@@ -50,6 +51,15 @@ def _files_for(source: str, split: str) -> list[Path]:
     raise ValueError(f"no {split}.jsonl, {split}.parquet or {split}-*.parquet in {path}")
 
 
+def read_gsm8k_hub(split: str) -> Rows:
+    return read_hub(
+        "openai/gsm8k",
+        split,
+        subset="main",
+        instead="a local path to a GSM8K .jsonl/.parquet file or folder",
+    )
+
+
 def load_gsm8k(source: str, split: str = "train", limit: int = 0) -> list[Example]:
     """GSM8K rows as Examples, in file order; `limit` > 0 keeps only the first `limit`.
 
@@ -57,20 +67,21 @@ def load_gsm8k(source: str, split: str = "train", limit: int = 0) -> list[Exampl
     holding `{split}.jsonl`, `{split}.parquet` or `{split}-*.parquet`, or "openai/gsm8k".
     """
     if source in HUB_IDS and not Path(source).exists():
-        labelled = read_hub(
-            "openai/gsm8k",
-            split,
-            subset="main",
-            instead="a local path to a GSM8K .jsonl/.parquet file or folder",
-        )
+        labelled = read_gsm8k_hub(split)
     else:
         labelled = []
-        for path in _files_for(source, split):
+        for path in files_for(source, split):
             labelled += read_rows(path)
     if limit > 0:
         labelled = labelled[:limit]
+    return examples_from_rows(labelled, split, source)
+
+
+def examples_from_rows(rows: Rows, split: str, source: str) -> list[Example]:
+    """GSM8K rows {question, answer "... #### N"} as Examples (the gold number in `answer`, the
+    full solution in metadata; the row's other columns, `answer` included, in `columns`)."""
     examples = []
-    for i, (where, row) in enumerate(labelled):
+    for i, (where, row) in enumerate(rows):
         if not (
             isinstance(row, dict) and all(isinstance(row.get(key), str) for key in ("question", "answer"))
         ):
@@ -78,13 +89,14 @@ def load_gsm8k(source: str, split: str = "train", limit: int = 0) -> list[Exampl
         try:
             gold = extract_gold(row["answer"])
         except ValueError as err:
-            raise ValueError(f"{where}: {err}") from err
+            raise ValueError(f"{where}: column `answer`: {err}") from err
         examples.append(
             Example(
                 prompt_id=f"gsm8k-{split}-{i}",
                 question=row["question"],
                 answer=gold,
                 metadata={"solution": row["answer"], "source": source},
+                columns={key: value for key, value in row.items() if key != "question"},
             )
         )
     return examples

@@ -1,45 +1,96 @@
-"""Prompt rendering: system prompt, fixed few-shot worked examples, the question, the chat template.
+"""Prompt rendering: a row's prompt (plain text, or chat messages), the configured system prompt and
+worked examples ("shots"), the chat template, and the prefill.
 
-The sampler renders each question once with `render_prompt`; the completion the model writes
-continues right after `prefill` (e.g. "<think>"), so rewards see `prefill + generated text`.
+Two kinds of rows (data/prompt_sets.py):
+- built from a question (the synthetic arithmetic and GSM8K, `Example.prompt` None): the chat is
+  [system, shots as user/assistant turns, the question]; their defaults are the math task's
+  (DEFAULT_SYSTEM_PROMPT, one shot of data/shots/arithmetic.jsonl, prefill "<think>");
+- a row's own prompt: chat messages get the configured system prompt (where they have none) and
+  shots (after their system turn); plain text is continued as it is (TRL's convention), plus the
+  prefill. Nothing is added that the config does not name.
+The completion the model writes continues right after the prefill, so rewards see `prefill +
+generated text`.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-# Fixed worked examples in exactly the rewarded form: <think> ... </think><answer> N </answer>.
-_WORKED_SHOTS: list[tuple[str, str]] = [
-    (
-        "Lena has 14 pears. She buys 9 more pears at the market. How many pears does Lena have now?",
-        "<think> Lena starts with 14 pears and buys 9 more, so 14 + 9 = 23. </think><answer> 23 </answer>",
-    ),
-    (
-        "A baker makes 6 trays of rolls with 12 rolls on each tray. He sells 25 rolls. "
-        "How many rolls are left?",
-        "<think> The trays hold 6 * 12 = 72 rolls. After selling 25, 72 - 25 = 47 rolls are left. "
-        "</think><answer> 47 </answer>",
-    ),
-    (
-        "Omar buys 3 notebooks that cost $4 each and pays with a $20 bill. How much change does he get?",
-        "<think> The notebooks cost 3 * 4 = 12 dollars. His change is 20 - 12 = 8 dollars. "
-        "</think><answer> 8 </answer>",
-    ),
-    (
-        "Tara shares 56 stickers equally among 7 friends. How many stickers does each friend get?",
-        "<think> Each friend gets 56 / 7 = 8 stickers. </think><answer> 8 </answer>",
-    ),
-]
+from tandem.config import DEFAULT_SYSTEM_PROMPT, DataConfig
+
+BUILTIN_SHOTS = Path(__file__).parent / "shots" / "arithmetic.jsonl"
+MATH_PREFILL = "<think>"
+ROLES = ("system", "user", "assistant", "tool")
+
+Shots = tuple[tuple[str, str], ...]  # (user prompt, assistant answer) pairs
+
+
+@dataclass(frozen=True)
+class PromptStyle:
+    """What surrounds a row's prompt: a system prompt ("" = none), worked examples, the prefill."""
+
+    system_prompt: str = ""
+    shots: Shots = ()
+    prefill: str = ""
+
+
+def load_shots(path: str | Path) -> Shots:
+    """Worked examples from a .jsonl file of {"prompt": str, "completion": str} objects."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"shots file {path} does not exist")
+    shots = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
+        if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("prompt", "completion"))):
+            raise ValueError(
+                f'{path}:{line_no}: a shot is {{"prompt": "...", "completion": "..."}} (strings)'
+            )
+        shots.append((row["prompt"], row["completion"]))
+    return tuple(shots)
 
 
 def worked_shots(num_shots: int) -> list[tuple[str, str]]:
-    """The first `num_shots` fixed (question, ideal response) pairs."""
-    if not 0 <= num_shots <= len(_WORKED_SHOTS):
-        raise ValueError(f"num_shots must be between 0 and {len(_WORKED_SHOTS)}, got {num_shots}")
-    return _WORKED_SHOTS[:num_shots]
+    """The first `num_shots` built-in arithmetic worked examples (data/shots/arithmetic.jsonl)."""
+    shots = load_shots(BUILTIN_SHOTS)
+    if not 0 <= num_shots <= len(shots):
+        raise ValueError(f"num_shots must be between 0 and {len(shots)}, got {num_shots}")
+    return list(shots[:num_shots])
 
 
-def build_messages(question: str, system_prompt: str, shots: list[tuple[str, str]]) -> list[dict]:
+def prompt_style(data: DataConfig, *, from_question: bool) -> PromptStyle:
+    """The style of one kind of row under `data.*`: explicit settings win; what is left unset (None)
+    takes the math task's default for rows built from a question, and nothing for a row's own prompt.
+    `data.num_shots` None means every shot of data.shots (one of the built-in ones)."""
+    system = (
+        data.system_prompt
+        if data.system_prompt is not None
+        else (DEFAULT_SYSTEM_PROMPT if from_question else "")
+    )
+    if data.shots is not None:
+        shots = load_shots(data.shots)
+        count = len(shots) if data.num_shots is None else data.num_shots
+    elif from_question:
+        shots = load_shots(BUILTIN_SHOTS)
+        count = 1 if data.num_shots is None else data.num_shots
+    else:
+        shots, count = (), 0 if data.num_shots is None else data.num_shots
+    if count > len(shots):
+        where = f"data.shots ({data.shots})" if data.shots is not None else "the built-in arithmetic shots"
+        raise ValueError(f"data.num_shots is {count} but {where} hold {len(shots)}; lower it or add shots")
+    prefill = data.prefill if data.prefill is not None else (MATH_PREFILL if from_question else "")
+    return PromptStyle(system, shots[:count], prefill)
+
+
+def build_messages(question: str, system_prompt: str, shots: Shots | list[tuple[str, str]]) -> list[dict]:
     """Chat messages: system (omitted when `system_prompt` is empty), a user/assistant pair per
     shot, then the question as the last user turn.
     """
@@ -51,21 +102,70 @@ def build_messages(question: str, system_prompt: str, shots: list[tuple[str, str
     return messages
 
 
+def styled_messages(messages: list[dict], style: PromptStyle) -> list[dict]:
+    """A row's chat with the style's system prompt (where the row has no system turn) and its shots
+    (after the leading system turns)."""
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") == "system":
+        lead += 1
+    head = list(messages[:lead])
+    if not head and style.system_prompt:
+        head = [{"role": "system", "content": style.system_prompt}]
+    shot_turns = []
+    for question, answer in style.shots:
+        shot_turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return head + shot_turns + list(messages[lead:])
+
+
+def example_messages(example: Any, style: PromptStyle) -> str | list[dict]:
+    """The prompt as rewards receive it (TRL's `prompts`): the chat messages, or a row's plain text."""
+    if example.prompt is None:
+        return build_messages(example.question, style.system_prompt, style.shots)
+    if isinstance(example.prompt, str):
+        return example.prompt
+    return styled_messages(example.prompt, style)
+
+
 def _plain_layout(messages: list[dict]) -> str:
     """Fallback for tokenizers without a chat template: "Role: content" lines, then "Assistant: "."""
     lines = [f"{message['role'].capitalize()}: {message['content']}" for message in messages]
     return "\n".join(lines) + "\nAssistant: "
 
 
-def render_prompt(tokenizer: Any, question: str, system_prompt: str, num_shots: int, prefill: str) -> str:
-    """The prompt text the model continues: chat template with a generation prompt, then `prefill`.
-
-    A tokenizer without a chat template (a base model) gets the plain layout
-    "System: ...\\nUser: ...\\nAssistant: ...\\nUser: <question>\\nAssistant: " instead.
-    """
-    messages = build_messages(question, system_prompt, worked_shots(num_shots))
+def apply_template(tokenizer: Any, messages: list[dict]) -> str:
+    """The chat template with a generation prompt; a tokenizer without one (a base model) gets the
+    plain layout "System: ...\\nUser: ...\\nAssistant: "."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return _plain_layout(messages)
+
+
+def render_example(tokenizer: Any, example: Any, style: PromptStyle) -> str:
+    """The text the model continues for `example`: its messages through the chat template (plain
+    text as it is), then the prefill."""
+    prompt = example_messages(example, style)
+    text = prompt if isinstance(prompt, str) else apply_template(tokenizer, prompt)
+    return text + style.prefill
+
+
+def render_prompt(tokenizer: Any, question: str, system_prompt: str, num_shots: int, prefill: str) -> str:
+    """The math task's prompt for `question`: system prompt, the first `num_shots` built-in shots,
+    the question, the chat template, then `prefill`."""
+    messages = build_messages(question, system_prompt, worked_shots(num_shots))
+    return apply_template(tokenizer, messages) + prefill
+
+
+def set_chat_template(tokenizer: Any, spec: str | None) -> None:
+    """`data.chat_template`: a Jinja template file, or the template itself, replaces the tokenizer's."""
+    if spec is None:
+        return
+    path = Path(spec).expanduser()
+    if "{" not in spec and path.is_file():
+        tokenizer.chat_template = path.read_text(encoding="utf-8")
+    elif "{%" in spec or "{{" in spec:
+        tokenizer.chat_template = spec
     else:
-        text = _plain_layout(messages)
-    return text + prefill
+        raise ValueError(
+            f"data.chat_template is {spec!r}: neither a file nor a Jinja template; give a .jinja file "
+            "or the template text"
+        )

@@ -13,7 +13,7 @@ from pathlib import Path
 from tandem.data import gsm8k
 from tandem.data.files import Rows, read_hub, read_rows
 from tandem.data.gsm8k import plain_solution
-from tandem.data.prompts import render_prompt
+from tandem.data.prompts import apply_template, build_messages, worked_shots
 from tandem.types import Example
 
 log = logging.getLogger(__name__)
@@ -23,11 +23,13 @@ ROLES = ("system", "user", "assistant", "tool")
 
 @dataclass
 class PromptStyle:
-    """How GRPO renders a question (data.system_prompt, data.num_shots, data.prefill)."""
+    """How GRPO renders a question (data.system_prompt, data.num_shots, data.prefill; `shots` the
+    worked examples of data.shots, None = the first num_shots built-in ones)."""
 
     system_prompt: str
     num_shots: int
     prefill: str
+    shots: list[tuple[str, str]] | None = None
 
 
 @dataclass
@@ -61,7 +63,11 @@ def worked_example(tokenizer, example: Example, style: PromptStyle) -> SFTExampl
             f"`data.prefill` is {style.prefill!r} but worked answers start with '<think>'; "
             "set data.prefill to '<think>' (as GRPO does) or ''"
         )
-    prompt = render_prompt(tokenizer, example.question, style.system_prompt, style.num_shots, style.prefill)
+    shots = style.shots if style.shots is not None else worked_shots(style.num_shots)
+    prompt = (
+        apply_template(tokenizer, build_messages(example.question, style.system_prompt, shots))
+        + style.prefill
+    )
     target = response[len(style.prefill) :] + (tokenizer.eos_token or "")
     return SFTExample([(prompt, False), (target, True)], source=example.prompt_id)
 

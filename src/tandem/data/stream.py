@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from tandem.config import DataConfig
-from tandem.data.gsm8k import load_examples
+from tandem.data.prompt_sets import load_examples
 from tandem.types import Example
 
 
@@ -50,5 +50,12 @@ class PromptStream:
 def prompt_stream(data: DataConfig, batch_size: int, *, seed: int, stream_seed: int) -> PromptStream:
     """Batches of `batch_size` prompts of `data.*`: the examples drawn with `seed` (the run's), their
     order with `stream_seed` (a sampler's own)."""
-    examples = load_examples(data.dataset, data.split, data.num_examples, seed, difficulty=data.difficulty)
+    examples = load_examples(
+        data.dataset,
+        data.split,
+        data.num_examples,
+        seed,
+        difficulty=data.difficulty,
+        prompt_column=data.prompt_column,
+    )
     return PromptStream(examples, batch_size, seed=stream_seed, shuffle=data.shuffle)

@@ -15,7 +15,13 @@ import torch
 
 from tandem.algorithms.grpo import group_advantages
 from tandem.config import Config
-from tandem.data.prompts import render_prompt
+from tandem.data.prompts import (
+    PromptStyle,
+    example_messages,
+    prompt_style,
+    render_example,
+    set_chat_template,
+)
 from tandem.distributed.runtime import trim_memory
 from tandem.models.forward import pack_rows, packed_logprobs
 from tandem.models.loading import (
@@ -47,9 +53,10 @@ class Rollout:
     reference: torch.nn.Module | OffloadedModel | None
     tokenizer: object
     rewards: RewardSet
-    system_prompt: str
-    num_shots: int
-    prefill: str
+    # the prompt format (data/prompts.py) of rows built from a question (synthetic, GSM8K) and of
+    # rows with their own prompt
+    question_style: PromptStyle
+    row_style: PromptStyle
     num_generations: int
     max_new_tokens: int
     temperature: float = 1.0
@@ -66,17 +73,28 @@ class Rollout:
     # sampling.backend=vllm: the engine that generates; `policy` then only receives the weights
     # (and is the reference of a LoRA run), and each version is loaded into the engine
     engine: VLLMEngine | None = None
+    # with an engine: the first `engine_check_groups` groups of each batch are scored again by the
+    # sampler's own copy of the policy (the same weights), to measure the engine's log-prob gap
+    engine_check_groups: int = 1
+    engine_gap: dict | None = None  # the last batch's measure (engine_logprob_* fields), None without
     timings: RolloutTimings = field(default_factory=RolloutTimings)
     _prompt_cache: dict = field(default_factory=dict)
 
+    def style(self, example: Example) -> PromptStyle:
+        return self.question_style if example.prompt is None else self.row_style
+
     def prompt(self, example: Example) -> tuple[str, list[int]]:
-        if example.question not in self._prompt_cache:
-            text = render_prompt(
-                self.tokenizer, example.question, self.system_prompt, self.num_shots, self.prefill
-            )
+        """(text, token ids) the model continues; rendered once per distinct prompt."""
+        key = example.question if example.prompt is None else repr(example.prompt)
+        if key not in self._prompt_cache:
+            text = render_example(self.tokenizer, example, self.style(example))
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            self._prompt_cache[example.question] = (text, ids)
-        return self._prompt_cache[example.question]
+            self._prompt_cache[key] = (text, ids)
+        return self._prompt_cache[key]
+
+    def reward_prompt(self, example: Example) -> str | list[dict]:
+        """The prompt as rewards receive it: the chat messages, or a row's plain text."""
+        return example_messages(example, self.style(example))
 
     def run(self, examples: list[Example], policy_version: int) -> list[Group]:
         """One group of num_generations completions per example, in example order."""
@@ -108,6 +126,7 @@ class Rollout:
 
         t0 = time.perf_counter()
         prompt_ids = [ids for _, ids in prompts for _ in range(self.num_generations)]
+        self.engine_gap = self.measure_engine(prompt_ids, gen) if self.engine is not None else None
         ref_logprobs = self.reference_logprobs(prompt_ids, gen.token_ids)
         trim_memory()
         timings.reference = time.perf_counter() - t0
@@ -116,8 +135,9 @@ class Rollout:
         completions = []
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in gen.token_ids]
         # all at once: a reward model scores the batch's completions in a few padded forwards
+        prefills = [self.style(examples[i // self.num_generations]).prefill for i in range(len(texts))]
         scored = self.rewards.score_batch(
-            [self.prefill + text for text in texts],
+            [prefill + text for prefill, text in zip(prefills, texts)],
             [examples[i // self.num_generations] for i in range(len(texts))],
         )
         for i, (token_ids, text, (reward, info)) in enumerate(zip(gen.token_ids, texts, scored)):
@@ -163,11 +183,37 @@ class Rollout:
                 policy_version=policy_version,
                 sampler_id=self.sampler_id,
                 created_at=time.time(),
-                metadata={"answer": ex.answer, **ex.metadata},
+                metadata={
+                    "answer": ex.answer,
+                    **ex.metadata,
+                    "prefill": self.style(ex).prefill,
+                    **({"columns": loggable_columns(ex.columns)} if ex.columns else {}),
+                },
                 timings=dict(share),
             )
             for j, (ex, (text, ids)) in enumerate(zip(examples, prompts))
         ]
+
+    @torch.inference_mode()
+    def measure_engine(self, prompt_ids: list[list[int]], gen) -> dict:
+        """How far the engine's log-probs are from a plain forward of the same weights (the sampler's
+        copy of the policy, the trainer's forward code) on the first engine_check_groups groups:
+        token means of |r| and Schulman's k3 exp(r) - r - 1 (KL(engine || policy) on the engine's
+        tokens), r = logp_policy - logp_engine; the trainer logs the same as sampler_logprob_*
+        where it holds the weights that made a batch."""
+        n = min(self.engine_check_groups, len(prompt_ids) // self.num_generations) * self.num_generations
+        if n == 0:
+            return {"engine_logprob_diff": None, "engine_logprob_kl": None, "engine_logprob_tokens": 0}
+        policy = self._logprobs_of(self.policy, prompt_ids[:n], gen.token_ids[:n])
+        r = torch.cat(
+            [p.double() - torch.tensor(gen.logprobs[i], dtype=torch.float64) for i, p in enumerate(policy)]
+        )
+        tokens = r.numel()
+        return {
+            "engine_logprob_diff": float(r.abs().sum()) / tokens if tokens else None,
+            "engine_logprob_kl": float((torch.expm1(r) - r).sum()) / tokens if tokens else None,
+            "engine_logprob_tokens": tokens,
+        }
 
     @torch.inference_mode()
     def reference_logprobs(
@@ -178,10 +224,12 @@ class Rollout:
             return None
         if isinstance(self.reference, (OffloadedModel, BaseOfAdapter)):
             with self.reference as reference:
-                return self._reference_logprobs(reference, prompts, completions)
-        return self._reference_logprobs(self.reference, prompts, completions)
+                return self._logprobs_of(reference, prompts, completions)
+        return self._logprobs_of(self.reference, prompts, completions)
 
-    def _reference_logprobs(self, reference, prompts, completions) -> list[torch.Tensor]:
+    def _logprobs_of(self, model, prompts, completions) -> list[torch.Tensor]:
+        """`model`'s log-probs of each completion; each group is one packed row (its prompt once)."""
+        reference = model
         device = next(reference.parameters()).device
         G = self.num_generations
         groups_per_batch = max(1, self.score_batch_size // G)
@@ -230,7 +278,9 @@ def eos_token_ids(tokenizer, model) -> list[int]:
 
 def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_id: str = "local") -> Rollout:
     """The sampling side: the rollout copy of the policy (or the policy itself when the dtypes
-    agree), the frozen reference, the rewards and the prompt format."""
+    agree), the frozen reference, the rewards and the prompt format (data.chat_template replaces the
+    tokenizer's template here: the exported model keeps the one it was trained with)."""
+    set_chat_template(tokenizer, cfg.data.chat_template)
     lora = cfg.model.lora
     rollout_model = policy
     engine = None
@@ -276,9 +326,8 @@ def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_
         reference=reference,
         tokenizer=tokenizer,
         rewards=RewardSet.from_specs(cfg.rewards, device=device),
-        system_prompt=cfg.data.system_prompt,
-        num_shots=cfg.data.num_shots,
-        prefill=cfg.data.prefill,
+        question_style=prompt_style(cfg.data, from_question=True),
+        row_style=prompt_style(cfg.data, from_question=False),
         num_generations=cfg.sampling.num_generations,
         max_new_tokens=cfg.sampling.max_new_tokens,
         temperature=cfg.sampling.temperature,
@@ -291,4 +340,34 @@ def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_
         sampler_id=sampler_id,
         generator=generator,
         engine=engine,
+        engine_check_groups=cfg.sampling.vllm.check_groups,
     )
+
+
+COLUMN_TEXT_CHARS = 2000  # a column's text in a group's metadata (sample logs), at most
+COLUMNS_BYTES = 16 * 2**10
+
+
+def loggable_columns(columns: dict) -> dict:
+    """A row's other columns as the sample logs show them: JSON values, each text cut to
+    COLUMN_TEXT_CHARS, and no more than COLUMNS_BYTES in all (the wire caps a group's metadata);
+    what is left out is named in `_omitted`."""
+    import json
+
+    out, omitted, size = {}, [], 0
+    for key, value in columns.items():
+        if isinstance(value, str) and len(value) > COLUMN_TEXT_CHARS:
+            value = value[:COLUMN_TEXT_CHARS] + "..."
+        try:
+            text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError):
+            omitted.append(str(key))
+            continue
+        if size + len(text.encode()) > COLUMNS_BYTES:
+            omitted.append(str(key))
+            continue
+        out[str(key)] = value
+        size += len(text.encode())
+    if omitted:
+        out["_omitted"] = omitted
+    return out

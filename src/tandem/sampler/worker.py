@@ -303,6 +303,7 @@ class Sampler:
             "generate_tokens_per_second": tokens / max(t.generate, 1e-9),
             "time_weights": time_weights,
             "time_weights_engine": self.time_engine_load if self.rollout.engine is not None else None,
+            **(self.rollout.engine_gap or {}),
             "time_wait_trainer": time_wait,
             "time_send": time.perf_counter() - send_start,
             **gpu_memory(),  # on CUDA: this sampler's own memory (beside the trainer's on a shared GPU)

@@ -278,7 +278,7 @@ class StepRecord:
         """Sample dumps (rank 0) and checkpoints (every rank) that fall due within this batch's steps."""
         every = self.tc.sample_log_steps
         if self.env.is_main and every and (step // every > (step - 1) // every or step == 1):
-            write_samples(self.cfg.run_dir, step, sample_rows(batch.groups, self.cfg.data.prefill))
+            write_samples(self.cfg.run_dir, step, sample_rows(batch.groups))
         if self.tc.save_steps and step // self.tc.save_steps > self.last_saved // self.tc.save_steps:
             self.save(step)
             self.last_saved = step
@@ -334,13 +334,16 @@ def summarize_groups(groups: list[Group]) -> dict:
     return stats
 
 
-def sample_rows(groups: list[Group], prefill: str) -> list[dict]:
+def sample_rows(groups: list[Group]) -> list[dict]:
+    """The sample log's rows: each completion with its prompt's gold answer and other columns (as the
+    sampler sent them) and the response the rewards scored (prefill + text)."""
     return [
         {
             "prompt_id": g.prompt_id,
             "answer": g.metadata.get("answer"),
+            **({"columns": g.metadata["columns"]} if "columns" in g.metadata else {}),
             "policy_version": g.policy_version,
-            "response": prefill + c.text,
+            "response": g.metadata.get("prefill", "") + c.text,
             "reward": c.reward,
             "reward_info": c.reward_info,
             "advantage": c.advantage,

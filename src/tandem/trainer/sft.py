@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from tandem.algorithms.sft import sft_loss
 from tandem.config import Config
+from tandem.data.prompts import prompt_style
 from tandem.data.sft import EncodedExample, PromptStyle, encode_examples, load_sft_splits
 from tandem.distributed.batches import rank_micro_batches
 from tandem.distributed.engine import build_engine
@@ -128,13 +129,20 @@ def load_data(cfg: Config, tokenizer) -> tuple[list[EncodedExample], list[Encode
         num_eval_examples=d.num_eval_examples,
         seed=cfg.seed,
         difficulty=d.difficulty,
-        style=PromptStyle(d.system_prompt, d.num_shots, d.prefill),
+        style=sft_style(d),
     )
     kw = dict(max_length=sft.max_length, completion_only_loss=sft.completion_only_loss)
     return (
         encode_examples(tokenizer, train, what="train", **kw),
         encode_examples(tokenizer, held_out, what="eval", **kw),
     )
+
+
+def sft_style(data) -> PromptStyle:
+    """GRPO's prompt format of a question (data/prompts.py prompt_style), so an SFT model continues
+    straight into GRPO."""
+    style = prompt_style(data, from_question=True)
+    return PromptStyle(style.system_prompt, len(style.shots), style.prefill, list(style.shots))
 
 
 def optimizer_step(

@@ -1,0 +1,118 @@
+"""GRPO on a user's own prompt file (issue: any task): chat prompts with a `solution` column and other
+columns, through a real colocated run on a tiny random model; the model is prompted with exactly the
+row's chat (through the chat template), the columns reach the sample logs, and a bad row stops the
+run before any model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem.config import ConfigError, load_config
+from tandem.models.loading import load_tokenizer
+from tandem.preflight import check_run
+from tandem.trainer.grpo import train_grpo
+
+QUESTIONS = [
+    ("What is 2 + 3?", "5"),
+    ("What is 4 * 4?", "16"),
+    ("What is 9 - 7?", "2"),
+    ("What is 8 / 2?", "4"),
+]
+
+
+def chat_file(path, system: str | None = "Reply with a number."):
+    rows = []
+    for i, (question, solution) in enumerate(QUESTIONS):
+        prompt = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": question}
+        ]
+        rows.append({"prompt": prompt, "solution": solution, "level": i % 2, "source": "hand"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def config(model_dir, out_dir, data, name, *overrides):
+    return load_config(
+        None,
+        [
+            f"experiment_name={name}",
+            f"output_dir={out_dir}",
+            "seed=3",
+            f"model.policy={model_dir}",
+            f"data.dataset={data}",
+            "data.num_examples=0",
+            "sampling.max_new_tokens=6",
+            "sampling.num_generations=4",
+            "sampling.batch_size=8",
+            "rewards=[{type: answer}, {type: format}]",
+            "grpo.prompts_per_step=2",
+            "grpo.skip_zero_variance_groups=false",
+            "training.micro_batch_size=4",
+            "training.gradient_accumulation_steps=2",
+            "training.max_steps=2",
+            "training.save_steps=0",
+            "training.sample_log_steps=1",
+            "training.device=cpu",
+            "pipeline.mode=colocated",
+            *overrides,
+        ],
+    )
+
+
+def test_grpo_trains_on_a_chat_file_and_logs_its_columns(tiny_model_dir, tmp_path):
+    data = chat_file(tmp_path / "tasks.jsonl")
+    cfg = config(tiny_model_dir, tmp_path, data, "chat")
+    check_run(cfg, "grpo")
+    train_grpo(cfg)
+    run = tmp_path / "chat"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["grad_norm"] > 0
+    samples = [
+        json.loads(x) for f in sorted((run / "samples").glob("*.jsonl")) for x in f.read_text().splitlines()
+    ]
+    assert samples and all(s["columns"]["source"] == "hand" and "solution" in s["columns"] for s in samples)
+    by_solution = {q: s for q, s in QUESTIONS}
+    assert all(s["answer"] == s["columns"]["solution"] for s in samples)
+    assert {s["answer"] for s in samples} <= set(by_solution.values())
+
+
+def test_the_row_prompt_is_rendered_as_is_through_the_chat_template(tiny_model_dir, tmp_path):
+    from tandem.data.prompt_sets import load_examples
+    from tandem.sampler.rollout import build_rollout
+
+    data = chat_file(tmp_path / "tasks.jsonl")
+    cfg = config(tiny_model_dir, tmp_path, data, "render", "grpo.kl_coef=0")
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    rollout = build_rollout(cfg, None, tokenizer, None, "cpu")
+    example = load_examples(str(data), "train", 0, seed=0)[0]
+    text, ids = rollout.prompt(example)
+    assert text == tokenizer.apply_chat_template(example.prompt, tokenize=False, add_generation_prompt=True)
+    assert rollout.reward_prompt(example) == example.prompt
+    # settings named in the config do apply: a system prompt where the row has none, and a prefill
+    data = chat_file(tmp_path / "plain.jsonl", system=None)
+    cfg = config(
+        tiny_model_dir,
+        tmp_path,
+        data,
+        "render2",
+        "grpo.kl_coef=0",
+        "data.system_prompt='Be brief.'",
+        "data.prefill='A:'",
+    )
+    rollout = build_rollout(cfg, None, tokenizer, None, "cpu")
+    example = load_examples(str(data), "train", 0, seed=0)[0]
+    text, _ = rollout.prompt(example)
+    messages = [{"role": "system", "content": "Be brief."}, *example.prompt]
+    assert text == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + "A:"
+
+
+def test_a_bad_row_stops_the_run_before_any_model_loads(tiny_model_dir, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "ok", "solution": "1"}\n{"prompt": ["not a message"], "solution": "2"}\n')
+    cfg = config(tiny_model_dir, tmp_path, data, "bad")
+    with pytest.raises(
+        ConfigError, match=r"bad\.jsonl:2: column `prompt`, message 0: needs a string `content`"
+    ):
+        check_run(cfg, "grpo", probe=False)
