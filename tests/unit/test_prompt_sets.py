@@ -223,3 +223,16 @@ def test_columns_in_sample_logs_are_json_and_bounded():
     assert shown["_omitted"] == ["blob"]
     many = loggable_columns({f"c{i}": "y" * 1900 for i in range(20)})
     assert len(json.dumps(many)) < 17 * 2**10 and many["_omitted"]
+
+
+def test_the_shipped_configs_give_both_kinds_of_row_a_style():
+    """num_shots: 1 in configs/grpo_tiny.yaml counts the built-in math shots: own prompts get none."""
+    from tandem.config import load_config
+
+    for path in ("configs/grpo_tiny.yaml", "configs/ppo_tiny.yaml", "configs/grpo_gsm8k_qwen2.5_1.5b.yaml"):
+        data = load_config(path).data
+        assert len(prompt_style(data, from_question=True).shots) == (
+            data.num_shots if data.num_shots is not None else 1
+        )
+        assert prompt_style(data, from_question=False).shots == ()
+    assert prompt_style(DataConfig(num_shots=3), from_question=False) == PromptStyle("", (), "")

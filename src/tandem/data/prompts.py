@@ -69,7 +69,8 @@ def worked_shots(num_shots: int) -> list[tuple[str, str]]:
 def prompt_style(data: DataConfig, *, from_question: bool) -> PromptStyle:
     """The style of one kind of row under `data.*`: explicit settings win; what is left unset (None)
     takes the math task's default for rows built from a question, and nothing for a row's own prompt.
-    `data.num_shots` None means every shot of data.shots (one of the built-in ones)."""
+    `data.num_shots` None means every shot of data.shots (one of the built-in ones); without
+    data.shots it counts the built-in shots, which only rows built from a question get."""
     system = (
         data.system_prompt
         if data.system_prompt is not None
@@ -81,8 +82,8 @@ def prompt_style(data: DataConfig, *, from_question: bool) -> PromptStyle:
     elif from_question:
         shots = load_shots(BUILTIN_SHOTS)
         count = 1 if data.num_shots is None else data.num_shots
-    else:
-        shots, count = (), 0 if data.num_shots is None else data.num_shots
+    else:  # the built-in shots are the math task's: a row's own prompt gets none of them
+        shots, count = (), 0
     if count > len(shots):
         where = f"data.shots ({data.shots})" if data.shots is not None else "the built-in arithmetic shots"
         raise ValueError(f"data.num_shots is {count} but {where} hold {len(shots)}; lower it or add shots")
