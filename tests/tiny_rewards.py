@@ -1,4 +1,4 @@
-"""A user reward function for tests, loaded by import path `tiny_rewards:digit_count`."""
+"""User reward functions for tests, loaded by import path (`tiny_rewards:digit_count`)."""
 
 
 def digit_count(response: str, example) -> float:
@@ -9,3 +9,8 @@ def digit_count(response: str, example) -> float:
 def constant(response: str, example) -> float:
     """The same reward for every completion: every group has zero variance."""
     return 1.0
+
+
+def broken(completions, **kwargs):
+    """A reward with a bug (TRL's convention): the first batch stops its sampler with a RewardError."""
+    return [len(completion) / 0 for completion in completions]

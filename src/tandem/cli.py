@@ -171,6 +171,7 @@ def cmd_method(args) -> int:
 
 
 def cmd_sample(args) -> int:
+    from tandem.rewards.calling import RewardError
     from tandem.sampler.worker import TrainerGone, run_sampler
 
     cfg = _config(args, *_port_overrides(args))
@@ -186,6 +187,9 @@ def cmd_sample(args) -> int:
     except TrainerGone as err:
         print(f"tandem sample: {err}", file=sys.stderr)
         return 3
+    except RewardError as err:  # a bug in a reward function: the launcher does not restart this code
+        print(f"tandem sample: error: {err}", file=sys.stderr)
+        return RewardError.exit_code
     return 0
 
 

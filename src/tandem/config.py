@@ -199,6 +199,9 @@ class RewardSpec:
     function: str | None = None  # "package.module:function" when type == "function"
     path: str | None = None  # type model: a reward model folder written by `tandem rm` (its final/)
     name: str | None = None  # key in reward_info; default = type (or the function's name)
+    # type function: `function` names a factory (or class), called once with these keyword arguments to
+    # build the reward function, e.g. trl.rewards:get_soft_overlong_punishment; {} calls it with none
+    kwargs: dict[str, Any] | None = None
 
     @property
     def resolved_name(self) -> str:
@@ -223,6 +226,16 @@ class RewardSpec:
         if self.type != "function" and self.function is not None:
             raise ConfigError(
                 f"`{key}.function` is set but `{key}.type` is {self.type!r}; set type: function"
+            )
+        if self.kwargs is not None and self.type != "function":
+            raise ConfigError(
+                f"`{key}.kwargs` is set but `{key}.type` is {self.type!r}; kwargs build a reward "
+                "function from a factory (type: function)"
+            )
+        if self.kwargs is not None and not all(isinstance(k, str) and k.isidentifier() for k in self.kwargs):
+            raise ConfigError(
+                f"`{key}.kwargs` has keys {sorted(map(str, self.kwargs))}; each must be a keyword "
+                "argument name of the factory"
             )
         if self.type == "model" and not self.path:
             raise ConfigError(f"`{key}.path` is unset; type model needs the folder a `tandem rm` run wrote")

@@ -94,6 +94,10 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         tp = str
     if dataclasses.is_dataclass(tp):
         return from_dict(value, tp, key)
+    if origin is dict:  # free-form keyword arguments: a mapping whose values are any YAML
+        if not isinstance(value, dict):
+            raise _type_error(key, tp, value, "write it as a mapping, e.g. {name: value}")
+        return copy.deepcopy(value)
     if tp is bool and isinstance(value, bool):
         return value
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
@@ -125,6 +129,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
     if typing.get_origin(tp) is list:
         return f"a list of ({_type_name(args[0])})"
+    if typing.get_origin(tp) is dict:
+        return "a mapping"
     if typing.get_origin(tp) is Literal:
         return "a string"
     if dataclasses.is_dataclass(tp):

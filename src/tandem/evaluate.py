@@ -213,7 +213,7 @@ def _rows(examples: list, groups: list, rollout: Rollout) -> list[dict]:
                     "answer": example.answer,
                     "response": response,
                     # the rollout scored prefill + text with the answer and format rewards
-                    "correct": c.reward_info["answer"] > 0,
+                    "correct": (c.reward_info["answer"] or 0.0) > 0,  # None: the row has no gold
                     "formatted": c.reward_info["format"] > 0,
                     "num_tokens": len(c.generated_token_ids),
                 }

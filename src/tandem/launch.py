@@ -24,7 +24,8 @@ without starting anything; `describe` is what `--dry-run` prints. The trainer ke
 the samplers write to `<run_dir>/logs/sampler-<id>.log`. Ctrl-C (SIGINT) and SIGTERM are
 forwarded to every child. A sampler that dies is started again with the same id (it continues its
 prompt stream and takes the newest weights), after a back-off of 1, 2, 4, ... s (at most 60), up to
-`--max-sampler-restarts` times (5); with `--max-restarts N` a trainer that dies is started again
+`--max-sampler-restarts` times (5), except one stopped by an error in a reward function (exit code 4:
+a restart would meet it again); with `--max-restarts N` a trainer that dies is started again
 from its latest checkpoint (`training.resume_from_checkpoint=latest`) up to N times while the
 samplers keep running, so a kill -9 costs at most the steps since the last save. Each restart is
 logged. When a child fails beyond that, the others are stopped and the launcher says which one
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.config import Config, ConfigError
+from tandem.rewards.calling import RewardError
 
 log = logging.getLogger(__name__)
 
@@ -527,8 +529,11 @@ class Launcher:
                 return rc
             for child in samplers:
                 rc = child.proc.poll() if child.restart_at is None else None
-                # 0: the trainer said it has finished, and is writing its final model
-                if rc and not self._restart_later(child, rc, self.sampler_restarts):
+                # 0: the trainer said it has finished, and is writing its final model; a reward
+                # function's error (its message ends the log shown) would meet a restart again
+                if rc == RewardError.exit_code or (
+                    rc and not self._restart_later(child, rc, self.sampler_restarts)
+                ):
                     self._failed(child, rc)
                     return rc
             now = time.monotonic()

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import inspect
 import json
 import os
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -335,44 +333,13 @@ def _check_data_folder(path: Path, source: str, key: str, *, use: str, split: st
 
 
 def _check_rewards(cfg: Config) -> None:
+    """Each `type: function` reward imports here, its factory (with `kwargs`) builds it, and it can be
+    called one of the two ways (rewards/calling.py); what is wrong is a ConfigError naming rewards[i]."""
+    from tandem.rewards.registry import resolve_function
+
     for i, spec in enumerate(cfg.rewards):
         if spec.type == "function" and spec.function:
-            check_reward_function(spec.function, f"rewards[{i}].function")
-
-
-def check_reward_function(path: str, key: str) -> None:
-    """`module:function` imports here and can be called as fn(response, example)."""
-    from tandem.rewards.registry import load_function
-
-    try:
-        fn = load_function(path)
-    except ValueError as err:
-        module = path.partition(":")[0]
-        first = module.split(".")[0]
-        here = Path(f"{first}.py").is_file() or Path(first, "__init__.py").is_file()
-        on_path = {str(Path(p).resolve()) for p in sys.path if p in ("", ".") or Path(p).is_dir()}
-        here = here and str(Path.cwd()) not in on_path
-        if "has no attribute" in str(err):
-            fix = f"check the function's name in {module}"
-        elif here:
-            fix = (
-                f"{first} is in the current folder but not on the import path: run with PYTHONPATH=. "
-                "(the `tandem` command does not add the current folder)"
-            )
-        else:
-            fix = "fix the module path, or install the package that holds it"
-        raise ConfigError(f"`{key}`: {err}; {fix}") from None
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin or C function: nothing to inspect
-        return
-    try:
-        signature.bind("response", None)
-    except TypeError:
-        raise ConfigError(
-            f"`{key}`: {path} has the signature {signature}, but a reward function is called as "
-            "fn(response: str, example: Example) -> float; change it to take those two arguments"
-        ) from None
+            resolve_function(spec, f"rewards[{i}]")
 
 
 # --------------------------------------------------------------------------- trainer files

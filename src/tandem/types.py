@@ -36,17 +36,25 @@ class Completion:
     """One sampled completion with everything the trainer needs (DESIGN.md section 2).
 
     Log-prob arrays are float32 [len(generated_token_ids)], aligned with the generated tokens;
-    `old_policy_log_probs` come from the policy version that sampled it.
+    `old_policy_log_probs` come from the policy version that sampled it. `reward_info` holds each
+    reward component's unweighted value, None where that component does not apply to this sample;
+    `reward` is the weighted sum of the others (0.0 when none applies: see `scored`).
     """
 
     text: str
     generated_token_ids: list[int]
     is_finished: bool
     reward: float
-    reward_info: dict[str, float]
+    reward_info: dict[str, float | None]
     old_policy_log_probs: torch.Tensor
     ref_policy_log_probs: torch.Tensor | None
     advantage: float = 0.0
+
+    @property
+    def scored(self) -> bool:
+        """False when every reward component returned None: the sample then has advantage 0 and stays
+        out of its group's baseline and of the reward statistics (TRL's GRPOTrainer does the same)."""
+        return not self.reward_info or any(v is not None for v in self.reward_info.values())
 
 
 GROUP_TIMINGS = ("generate", "reference", "reward")  # the sampler's phases a group carries seconds of
@@ -73,6 +81,11 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [c.reward for c in self.completions]
+
+    @property
+    def scored_rewards(self) -> list[float]:
+        """The rewards of the completions that are scored (Completion.scored)."""
+        return [c.reward for c in self.completions if c.scored]
 
     def whole_token_ids(self, index: int) -> list[int]:
         return self.prefix_token_ids + self.completions[index].generated_token_ids

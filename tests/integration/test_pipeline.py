@@ -504,3 +504,18 @@ def test_a_taken_port_stops_the_trainer_with_a_clear_error(make_run):
     assert rc == 2
     assert f"port {run.data_port}" in run.log("trainer") or "already in use" in run.log("trainer")
     assert "Traceback" not in run.log("trainer")
+
+
+def test_a_reward_function_that_raises_stops_the_run_loudly(make_run):
+    """A bug in a user's reward: the sampler logs its traceback and exits with RewardError's code, and
+    the launcher stops the run at once (no restarts: each would meet the same bug), showing why."""
+    run = make_run("broken_reward", "rewards=[{type: function, function: 'tiny_rewards:broken'}]")
+    proc = run.start("grpo", log="grpo")
+    assert run.wait(proc, "grpo") == 4, run.log("grpo")[-3000:]
+    sampler_log = (run.dir / "logs" / "sampler-s0.log").read_text()
+    message = "reward 'broken' (tiny_rewards:broken) raised ZeroDivisionError: division by zero at "
+    assert message in sampler_log and "tiny_rewards.py" in sampler_log
+    assert "Traceback" in sampler_log  # the user's own frames, in the sampler's log
+    text = run.log("grpo")
+    assert "sampler s0 exited with code 4; stopping the other processes" in text and message in text
+    assert "starting it again" not in text

@@ -67,6 +67,9 @@ def with_completion(i: int, **changes) -> Group:
 
 def test_a_sound_group_is_admitted():
     assert check_group(through_the_wire(sound_group()), LIMITS) is None
+    # None in reward_info: that component does not apply to the sample
+    group = with_completion(1, reward_info={"answer": None, "format": 0.0})
+    assert check_group(through_the_wire(group), LIMITS) is None
 
 
 HOSTILE = {

@@ -262,6 +262,20 @@ def test_reward_function_spec_validation():
         load_config(None, ["rewards=[{type: answer}, {type: answer}]"])
 
 
+def test_reward_factory_kwargs(tmp_path):
+    spec = "rewards=[{type: function, function: 'trl.rewards:get_soft_overlong_punishment', kwargs: {max_completion_len: 128, soft_punish_cache: 32}}]"
+    cfg = load_config(None, [spec, "rewards.0.kwargs.soft_punish_cache=16"])
+    assert cfg.rewards[0].kwargs == {"max_completion_len": 128, "soft_punish_cache": 16}
+    assert cfg.rewards[0].resolved_name == "get_soft_overlong_punishment"  # the factory's name
+    path = tmp_path / "config.yaml"
+    dump_config(cfg, path)
+    assert load_config(path).rewards == cfg.rewards
+    with pytest.raises(
+        ConfigError, match=r"`rewards\[0\].kwargs` expects a mapping, got 3 \(int\); write it as a mapping"
+    ):
+        load_config(None, ["rewards=[{type: function, function: 'm:f', kwargs: 3}]"])
+
+
 def test_config_from_dict_builds_any_section():
     assert config_from_dict({"max_steps": 3}, TrainingConfig) == TrainingConfig(max_steps=3)
 

@@ -364,6 +364,57 @@ def test_reward_functions_import_before_any_model_loads():
     check_run(config("rewards=[{type: function, function: 'no_such_mod:fn'}]"), "train")  # scored by samplers
 
 
+FACTORIES = """
+CALLS = []
+
+def make_penalty(max_len):
+    CALLS.append(max_len)
+    def penalty(completion_ids, **kwargs):
+        return [-float(len(ids) > max_len) for ids in completion_ids]
+    return penalty
+
+def make_broken(max_len):
+    raise ValueError("max_len must be positive")
+
+def needs_state(completions, trainer_state, **kwargs):
+    return [0.0 for _ in completions]
+"""
+
+
+def test_reward_factories_are_called_in_preflight(monkeypatch, capsys):
+    Path("preflight_factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(Path.cwd()))
+    import preflight_factories
+
+    spec = "rewards=[{type: function, function: 'preflight_factories:make_penalty', kwargs: {max_len: 4}}]"
+    check_run(config(spec), "sample")
+    assert preflight_factories.CALLS == [4]
+    message = refused(
+        "grpo",
+        "rewards=[{type: function, function: 'preflight_factories:make_broken', kwargs: {max_len: 0}}]",
+    )
+    assert message.startswith("`rewards[0].kwargs`: preflight_factories:make_broken(**{'max_len': 0}) raised")
+    assert "max_len must be positive" in message
+    message = refused("launch", "rewards=[{type: function, function: 'preflight_factories:needs_state'}]")
+    assert "'trainer_state' has no default, and tandem does not pass trainer_state" in message
+
+    # the CLI refuses before it loads any model (`model.policy` here is not even a model)
+    from tandem.cli import main
+
+    argv = ["grpo", "pipeline.mode=colocated", "model.policy=no/such-model-here", "training.device=cpu"]
+    assert (
+        main(
+            [
+                *argv,
+                "rewards=[{type: function, function: 'preflight_factories:make_broken', kwargs: {max_len: 0}}]",
+            ]
+        )
+        == 2
+    )
+    assert "`rewards[0].kwargs`" in capsys.readouterr().err
+    sys.modules.pop("preflight_factories")
+
+
 def test_a_reward_module_in_the_current_folder_names_pythonpath(monkeypatch):
     Path("my_rewards_here.py").write_text("def brevity(response, example):\n    return 1.0\n")
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(Path.cwd()))])

@@ -71,7 +71,7 @@ def test_model_reward_component_scores_question_and_response_in_batches(reward_d
         [RewardSpec("answer"), RewardSpec("model", weight=0.5, path=str(reward_dir), name="helpful")]
     )
     assert rewards.names == ["answer", "helpful"]
-    scored = rewards.score_batch(responses, examples)
+    scored = rewards.score_batch(responses, examples, [[] for _ in responses])
     expected = RewardScorer(str(reward_dir)).score(
         [[{"role": "user", "content": ex.question}] for ex in examples], responses
     )

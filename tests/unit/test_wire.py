@@ -108,6 +108,19 @@ def test_round_trip_edge_cases():
     assert_same_group(empty, decode_group(encode_group(empty)))
 
 
+def test_reward_info_carries_none_as_json_null():
+    """None: a reward component that does not apply to the sample (rewards/registry.py)."""
+    group = make_group()
+    group.completions[0].reward_info = {"answer": None, "format": 1.25}
+    group.completions[1].reward_info = {"answer": None, "format": None}
+    frames = encode_group(group)
+    header = json.loads(bytes(frames[0]))
+    assert header["completions"][0]["reward_info"] == {"answer": None, "format": 1.25}
+    decoded = decode_group(frames)
+    assert_same_group(group, decoded)
+    assert not decoded.completions[1].scored and decoded.completions[0].scored
+
+
 def test_encode_accepts_other_float_dtypes_and_numpy_scalars():
     group = make_group(num_completions=1)
     c = group.completions[0]

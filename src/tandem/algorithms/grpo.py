@@ -24,17 +24,39 @@ def group_advantages(
       none:  A_i =  r_i - mean_g(r)                          (Dr. GRPO: no std division)
     std is the unbiased (n - 1) standard deviation, as torch.std; a group whose rewards are
     all equal gets advantage 0 for every member whatever the scaling.
+    A NaN reward marks an unscored completion (every reward function returned None): it gets
+    advantage 0, and the means and stds above are taken over the scored rewards only (n their
+    count), as TRL's GRPOTrainer does (>= 1.6).
     """
     if scale not in REWARD_SCALINGS:
         raise ValueError(f"scale must be one of {REWARD_SCALINGS}, got {scale!r}")
     if rewards.ndim != 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"rewards must be [num_groups * {group_size}], got shape {tuple(rewards.shape)}")
+    if bool(rewards.isnan().any()):
+        return _advantages_of_scored(rewards.float(), group_size, scale, eps)
     grouped = rewards.float().view(-1, group_size)  # [G, n]
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale == "group":
         centred = _safe_div(centred, grouped.std(dim=1, keepdim=True) + eps)
     elif scale == "batch":
         centred = _safe_div(centred, rewards.float().std() + eps)
+    return centred.reshape(-1)
+
+
+def _advantages_of_scored(rewards: torch.Tensor, group_size: int, scale: str, eps: float) -> torch.Tensor:
+    """group_advantages where some rewards are NaN (unscored): the statistics of the others; 0 for them.
+    A separate path, so that runs without unscored completions keep their exact arithmetic."""
+    grouped = rewards.view(-1, group_size)  # [G, n]
+    scored = ~grouped.isnan()
+    mean = grouped.nanmean(dim=1, keepdim=True)  # NaN for a group with nothing scored: masked below
+    centred = torch.where(scored, grouped - mean, torch.zeros_like(grouped))
+    if scale == "group":
+        count = scored.sum(dim=1, keepdim=True)
+        # one scored member: 0 / 0, but its centred value is 0, which _safe_div keeps
+        std = (centred.square().sum(dim=1, keepdim=True) / (count - 1)).sqrt()
+        centred = _safe_div(centred, std + eps)
+    elif scale == "batch":
+        centred = _safe_div(centred, rewards[~rewards.isnan()].std() + eps)
     return centred.reshape(-1)
 
 

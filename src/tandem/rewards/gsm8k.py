@@ -1,13 +1,17 @@
 """Rule-based GSM8K rewards (the seed's values): answer +1/-1, format +1.25/-1, and opt-in shaping.
 
 `completion` is the whole assistant response as text, decoded without special tokens, with the
-prefill already prepended by the caller (e.g. "<think>" + generated text). Standard library only.
+prefill already prepended by the caller (e.g. "<think>" + generated text). The `*_rewards` forms
+score a batch in TRL's calling convention (rewards/calling.py), as the registry runs them.
+Standard library only (calling.py is too).
 """
 
 from __future__ import annotations
 
 import math
 import re
+
+from tandem.rewards.calling import completion_text
 
 ANSWER_CORRECT, ANSWER_WRONG = 1.0, -1.0
 FORMAT_CORRECT, FORMAT_WRONG = 1.25, -1.0
@@ -93,3 +97,28 @@ def _longest_increasing_run(values: list[int]) -> int:
     for i, value in enumerate(values):
         best.append(1 + max((best[j] for j in range(i) if values[j] < value), default=0))
     return max(best, default=0)
+
+
+# --- the batch forms: fn(completions=..., **columns) -> one value per completion (TRL's convention)
+
+
+def answer_rewards(completions: list, solution: list[str], **kwargs) -> list[float | None]:
+    """`answer_reward` of each completion against its row's gold `solution` ("72").
+
+    None where the gold is empty or holds no number: the reward does not apply to that row (as TRL's
+    accuracy_reward does for a gold it cannot parse).
+    """
+    return [
+        None if parse_number(gold or "") is None else answer_reward(completion_text(completion), gold)
+        for completion, gold in zip(completions, solution, strict=True)
+    ]
+
+
+def format_rewards(completions: list, **kwargs) -> list[float]:
+    """`format_reward` of each completion."""
+    return [format_reward(completion_text(completion)) for completion in completions]
+
+
+def format_partial_rewards(completions: list, **kwargs) -> list[float]:
+    """`format_partial_reward` of each completion."""
+    return [format_partial_reward(completion_text(completion)) for completion in completions]

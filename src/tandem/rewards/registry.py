@@ -1,35 +1,45 @@
-"""The reward functions of a run, built from its reward specs: built-in GSM8K rules, user
-functions given by import path "package.module:function", or a trained reward model (`type:
-model`, scored in batches by rewards/model.py), each with a weight.
+"""The reward functions of a run, built from its reward specs: built-in GSM8K rules, user functions
+given by import path "package.module:function" (or a factory of one, with `kwargs`), or a trained
+reward model (`type: model`), each with a weight. Every one is called in TRL's convention (calling.py).
 """
 
 from __future__ import annotations
 
 import importlib
-import math
-import numbers
+import inspect
+import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from tandem.config import RewardSpec, check_rewards
-from tandem.rewards.gsm8k import answer_reward, format_partial_reward, format_reward
+from tandem.config import ConfigError, RewardSpec, check_rewards
+from tandem.data.prompts import build_messages
+from tandem.rewards.calling import (
+    Convention,
+    RewardBatch,
+    batch_call,
+    call_all,
+    convention,
+    per_item_call,
+)
+from tandem.rewards.gsm8k import answer_rewards, format_partial_rewards, format_rewards
 from tandem.rewards.model import ModelReward  # light: it imports the model code only when built
 from tandem.types import Example
 
-RewardFn = Callable[[str, Example], float]
-BatchRewardFn = Callable[[list[str], list[Example]], list[float]]
+log = logging.getLogger(__name__)
 
-# the built-in types of config.RewardType
-_BUILTINS: dict[str, RewardFn] = {
-    "answer": lambda response, example: answer_reward(response, example.answer),
-    "format": lambda response, example: format_reward(response),
-    "format_partial": lambda response, example: format_partial_reward(response),
+# the built-in types of config.RewardType; the answer rule reads each row's gold (RewardBatch.gold_answers)
+_BUILTINS: dict[str, Callable[[RewardBatch], Any]] = {
+    "answer": lambda batch: answer_rewards(batch.completions, batch.gold_answers()),
+    "format": lambda batch: format_rewards(batch.completions),
+    "format_partial": lambda batch: format_partial_rewards(batch.completions),
 }
 
 
-def load_function(path: str) -> RewardFn:
-    """Import a reward function from "package.module:function" (called as fn(response, example))."""
+def load_function(path: str) -> Callable:
+    """Import the object "package.module:attr" names (a reward function, or a factory of one)."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward function {path!r} must look like 'package.module:function'")
@@ -45,65 +55,154 @@ def load_function(path: str) -> RewardFn:
     return fn
 
 
+def resolve_function(spec: RewardSpec, key: str = "rewards[0]") -> tuple[Callable, Convention]:
+    """A `type: function` spec's reward function and how it is called: imported, built by its factory
+    when the spec has `kwargs` (called once with them), its convention read from its signature
+    (calling.convention). Anything wrong is a ConfigError naming `key`; the reward itself is not run."""
+    path = spec.function or ""
+    try:
+        target = load_function(path)
+    except ValueError as err:
+        raise ConfigError(f"`{key}.function`: {err}; {_import_fix(path, err)}") from None
+    fn = target
+    if spec.kwargs is not None:
+        try:
+            fn = target(**spec.kwargs)
+        except Exception as err:
+            raise ConfigError(
+                f"`{key}.kwargs`: {path}(**{spec.kwargs!r}) raised {type(err).__name__}: {err}; "
+                "kwargs are the keyword arguments of a factory that returns the reward function"
+            ) from err
+        if not callable(fn):
+            raise ConfigError(
+                f"`{key}.kwargs`: {path}(**kwargs) returned a {type(fn).__name__}, not a reward function"
+            )
+    elif inspect.isclass(target):
+        raise ConfigError(
+            f"`{key}.function`: {path} is a class; add `kwargs:` (kwargs: {{}} for none) to make an instance "
+            "that is called as the reward"
+        )
+    try:
+        form = convention(fn, path)
+    except ValueError as err:
+        raise ConfigError(f"`{key}.function`: {err}") from None
+    return fn, form
+
+
+def _import_fix(path: str, err: ValueError) -> str:
+    """What to change when `path` does not import."""
+    module = path.partition(":")[0]
+    first = module.split(".")[0]
+    if "has no attribute" in str(err):
+        return f"check the function's name in {module}"
+    here = Path(f"{first}.py").is_file() or Path(first, "__init__.py").is_file()
+    on_path = {str(Path(p).resolve()) for p in sys.path if p in ("", ".") or Path(p).is_dir()}
+    if here and str(Path.cwd()) not in on_path:
+        return (
+            f"{first} is in the current folder but not on the import path: run with PYTHONPATH=. "
+            "(the `tandem` command does not add the current folder)"
+        )
+    return "fix the module path, or install the package that holds it"
+
+
+def default_prompt(example: Example) -> str | list[dict]:
+    """The prompt rewards see when the caller gives none: the row's own, else its question as one user turn."""
+    return example.prompt if example.prompt is not None else build_messages(example.question, "", [])
+
+
 @dataclass(frozen=True)
 class _Component:
     name: str
     weight: float
-    fn: BatchRewardFn
-    label: str  # what error messages call it: the type, the import path, or the model folder
-
-
-def _per_item(fn: RewardFn) -> BatchRewardFn:
-    return lambda responses, examples: [fn(r, ex) for r, ex in zip(responses, examples)]
+    call: Callable[[RewardBatch], Any]
+    label: str  # what messages call it: its name and the type, import path or model folder
 
 
 class RewardSet:
-    """Weighted reward components; `score` gives the total and each unweighted component."""
+    """Weighted reward components; `score_batch` gives each completion's total and unweighted components.
+
+    A component's value may be None (it does not apply to that sample): the total sums the others, and
+    a sample where every component is None is unscored (Completion.scored): total 0, advantage 0, left
+    out of its group's baseline and of the reward statistics, as TRL's GRPOTrainer treats it (>= 1.6).
+    """
 
     def __init__(self, components: list[_Component]) -> None:
         self._components = components
+        self._warned_unscored = False
 
     @classmethod
     def from_specs(cls, specs: Sequence[RewardSpec], *, device: Any = "cpu") -> RewardSet:
-        """From reward specs (config.RewardSpec: type, weight, function "module:attr" for type
-        function, path of a `tandem rm` folder for type model, loaded once on `device`, and name),
-        checked by config.check_rewards: a bad spec raises ConfigError naming `rewards[i]`.
+        """From reward specs (config.RewardSpec: type, weight, function "module:attr" and its factory
+        `kwargs` for type function, path of a `tandem rm` folder for type model, loaded once on
+        `device`, and name), checked by config.check_rewards: a bad spec, or a function that does not
+        import, raises ConfigError naming `rewards[i]`.
         """
         check_rewards(specs)
-        return cls([_component(spec, device) for spec in specs])
+        return cls([_component(spec, f"rewards[{i}]", device) for i, spec in enumerate(specs)])
 
     @property
     def names(self) -> list[str]:
         return [component.name for component in self._components]
 
-    def score(self, response: str, example: Example) -> tuple[float, dict[str, float]]:
-        """(sum of weight * component, {name: unweighted component value})."""
-        return self.score_batch([response], [example])[0]
+    def score(
+        self, response: str, example: Example, completion_ids: Sequence[int] = ()
+    ) -> tuple[float, dict[str, float | None]]:
+        """`score_batch` of one completion (its token ids, when the caller has none, read as [])."""
+        return self.score_batch([response], [example], [list(completion_ids)])[0]
 
     def score_batch(
-        self, responses: list[str], examples: list[Example]
-    ) -> list[tuple[float, dict[str, float]]]:
-        """`score` of each (response, example); a reward model scores them all in batched forwards."""
-        infos: list[dict[str, float]] = [{} for _ in responses]
-        totals = [0.0] * len(responses)
-        for component in self._components:
-            values = component.fn(responses, examples)
-            assert len(values) == len(responses), f"reward {component.label!r} lost responses"
-            for i, value in enumerate(values):
-                if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                    raise ValueError(
-                        f"reward {component.label!r} returned {value!r}; it must return a finite number"
-                    )
-                infos[i][component.name] = float(value)
-                totals[i] += component.weight * float(value)
-        return list(zip(totals, infos))
+        self,
+        responses: list[str],
+        examples: list[Example],
+        completion_ids: list[list[int]],
+        *,
+        prompts: list[str | list[dict]] | None = None,
+    ) -> list[tuple[float, dict[str, float | None]]]:
+        """(sum of weight * value over the components that apply, {name: unweighted value or None}) of
+        each response (prefill + generated text), with the example it answers, its generated token
+        ids and its prompt as rewards see it (default: `default_prompt`). Raises RewardError (calling.py)
+        when a reward raises or returns something other than a number or None per completion."""
+        if prompts is None:
+            prompts = [default_prompt(ex) for ex in examples]
+        batch = RewardBatch.build(responses, examples, completion_ids, prompts)
+        values = call_all([(c.label, c.call) for c in self._components], batch)
+        scored = []
+        for i in range(len(responses)):
+            info = {c.name: column[i] for c, column in zip(self._components, values)}
+            total = 0.0
+            for c in self._components:
+                if info[c.name] is not None:
+                    total += c.weight * info[c.name]
+            scored.append((total, info))
+        self._warn_unscored(batch, [info for _, info in scored])
+        return scored
+
+    def _warn_unscored(self, batch: RewardBatch, infos: list[dict[str, float | None]]) -> None:
+        unscored = [i for i, info in enumerate(infos) if all(v is None for v in info.values())]
+        if unscored and not self._warned_unscored:
+            self._warned_unscored = True  # once: the metrics count them every step (completions_unscored)
+            log.warning(
+                "every reward returned None for %d of %d completions (the first: %s); they get advantage 0 "
+                "and stay out of the reward statistics. Is a column the rewards need missing from the data?",
+                len(unscored),
+                len(infos),
+                batch.where(unscored[0]),
+            )
 
 
-def _component(spec: RewardSpec, device: Any) -> _Component:
-    """A checked spec's reward function (check_rewards holds the rules)."""
+def _component(spec: RewardSpec, key: str, device: Any) -> _Component:
+    """A checked spec's reward (check_rewards holds the rules)."""
     name, weight = spec.resolved_name, float(spec.weight)
     if spec.type == "model":
-        return _Component(name, weight, ModelReward(spec.path, device=device).score, spec.path)
+        label = _label(name, spec.path)
+        return _Component(name, weight, batch_call(ModelReward(spec.path, device=device), label), label)
     if spec.type == "function":
-        return _Component(name, weight, _per_item(load_function(spec.function)), spec.function)
-    return _Component(name, weight, _per_item(_BUILTINS[spec.type]), spec.type)
+        fn, form = resolve_function(spec, key)
+        label = _label(name, spec.function)
+        call = per_item_call(fn, label) if form == "per_item" else batch_call(fn, label)
+        return _Component(name, weight, call, label)
+    return _Component(name, weight, _BUILTINS[spec.type], _label(name, spec.type))
+
+
+def _label(name: str, source: str | None) -> str:
+    return repr(name) if name == source else f"{name!r} ({source})"

@@ -7,6 +7,7 @@ every line of the algorithm.
 from __future__ import annotations
 
 import gc
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -93,7 +94,9 @@ class Rollout:
         return self._prompt_cache[key]
 
     def reward_prompt(self, example: Example) -> str | list[dict]:
-        """The prompt as rewards receive it: the chat messages, or a row's plain text."""
+        """The prompt as reward functions receive it (TRL's `prompts`): the row's own (with the
+        configured system prompt and shots around a chat), or the chat messages its question is
+        rendered from (system prompt, shots, question)."""
         return example_messages(example, self.style(example))
 
     def run(self, examples: list[Example], policy_version: int) -> list[Group]:
@@ -134,11 +137,15 @@ class Rollout:
         t0 = time.perf_counter()
         completions = []
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in gen.token_ids]
-        # all at once: a reward model scores the batch's completions in a few padded forwards
-        prefills = [self.style(examples[i // self.num_generations]).prefill for i in range(len(texts))]
+        # all at once, in TRL's convention: each reward is called once for the whole batch
+        G = self.num_generations
+        reward_prompts = [self.reward_prompt(ex) for ex in examples]
+        prefills = [self.style(examples[i // G]).prefill for i in range(len(texts))]
         scored = self.rewards.score_batch(
             [prefill + text for prefill, text in zip(prefills, texts)],
-            [examples[i // self.num_generations] for i in range(len(texts))],
+            [examples[i // G] for i in range(len(texts))],
+            gen.token_ids,
+            prompts=[reward_prompts[i // G] for i in range(len(texts))],
         )
         for i, (token_ids, text, (reward, info)) in enumerate(zip(gen.token_ids, texts, scored)):
             completions.append(
@@ -156,15 +163,14 @@ class Rollout:
         scale = "none" if self.scale_rewards == "batch" else self.scale_rewards
         if self.num_generations == 1:  # PPO's groups of one: advantage 0, no std of a single reward
             scale = "none"
-        advantages = group_advantages(
-            torch.tensor([c.reward for c in completions]), self.num_generations, scale=scale, eps=self.adv_eps
-        )
+        # an unscored completion (every reward None) enters as NaN: out of its group's statistics
+        rewards = torch.tensor([c.reward if c.scored else math.nan for c in completions])
+        advantages = group_advantages(rewards, self.num_generations, scale=scale, eps=self.adv_eps)
         for c, a in zip(completions, advantages.tolist()):
             c.advantage = a
         timings.reward = time.perf_counter() - t0
         self.timings = timings
 
-        G = self.num_generations
         share = {  # each group's equal part of this batch's time
             name: seconds / max(len(examples), 1)
             for name, seconds in (

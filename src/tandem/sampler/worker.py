@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import socket
+import statistics
 import time
 import zlib
 
@@ -45,6 +46,7 @@ from tandem.data.stream import prompt_stream
 from tandem.distributed.runtime import gpu_memory, resolve_device, set_seed, set_threads, use_device
 from tandem.models.loading import load_tokenizer
 from tandem.models.lora import adapter_parameters, is_lora
+from tandem.rewards.calling import RewardError
 from tandem.sampler.rollout import build_rollout
 from tandem.transport.channel import GroupSender
 from tandem.transport.pacing import batch_share, groups_allowed
@@ -265,7 +267,11 @@ class Sampler:
                 n = self.batch_prompts
                 if self.remaining() > 0:  # (at or past it only when the trainer is starved)
                     n = min(n, self.remaining())
-                groups = self.rollout.run(self.stream.next_batch(n), policy_version=self.version)
+                try:
+                    groups = self.rollout.run(self.stream.next_batch(n), policy_version=self.version)
+                except RewardError as err:  # the user's reward code: loud, with its traceback, then stop
+                    log.error("sampler %s: stopping: %s", self.sampler_id, err, exc_info=err)
+                    raise
                 self.made += len(groups)
                 send_start = time.perf_counter()
                 finished = False
@@ -289,13 +295,14 @@ class Sampler:
         t = self.rollout.timings
         completions = [c for g in groups for c in g.completions]
         tokens = sum(len(c.generated_token_ids) for c in completions)
+        scored = [c.reward for c in completions if c.scored]
         return {
             "time": time.time(),
             "sampler_id": self.sampler_id,
             "policy_version": self.version,
             "groups": len(groups),
             "groups_sent_total": self.sent,
-            "reward_mean": sum(c.reward for c in completions) / max(len(completions), 1),
+            "reward_mean": statistics.fmean(scored) if scored else None,  # over the scored completions
             "tokens_generated": tokens,
             "time_generate": t.generate,
             "time_reference": t.reference,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,8 @@ def flatten_groups(
 ) -> list[Sample]:
     """Samples of every group, in order; batch reward scaling is applied here, across all groups."""
     if scale_rewards == "batch" and groups:
-        rewards = torch.tensor([r for g in groups for r in g.rewards])
+        # unscored completions (every reward None) as NaN: out of the statistics, advantage 0
+        rewards = torch.tensor([c.reward if c.scored else math.nan for g in groups for c in g.completions])
         advantages = group_advantages(
             rewards, len(groups[0].completions), scale="batch", eps=adv_eps
         ).tolist()
@@ -53,7 +55,7 @@ def flatten_groups(
         advantages = [c.advantage for g in groups for c in g.completions]
     samples, k = [], 0
     for index, g in enumerate(groups):
-        flat = len(set(g.rewards)) <= 1
+        flat = len(set(g.scored_rewards)) <= 1
         for c in g.completions:
             if not (skip_zero_variance and flat):
                 samples.append(

@@ -106,7 +106,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
 def progress(row: dict) -> dict:
     """What the progress bar shows of a row."""
     return dict(
-        reward=f"{row['reward_mean']:.2f}",
+        reward="-" if row["reward_mean"] is None else f"{row['reward_mean']:.2f}",
         fmt=f"{row['format_accuracy'] or 0:.2f}",
         acc=f"{row['answer_accuracy'] or 0:.2f}",
         kl=f"{row['kl']:.4f}",

@@ -308,18 +308,23 @@ class StepRecord:
 
 
 def summarize_groups(groups: list[Group]) -> dict:
+    """A step's reward and length statistics. Reward statistics skip what does not apply: reward_mean
+    and reward_std are over the scored completions (Completion.scored), each `reward_<name>` mean and
+    accuracy over the completions where that component is not None; null where none is."""
     completions = [c for g in groups for c in g.completions]
-    rewards = [c.reward for c in completions]
+    rewards = [c.reward for c in completions if c.scored]
     lengths = [len(c.generated_token_ids) for c in completions]
 
+    def applied(name: str) -> list[float]:
+        return [c.reward_info[name] for c in completions if c.reward_info.get(name) is not None]
+
     def accuracy(name: str) -> float | None:
-        if name not in completions[0].reward_info:
-            return None
-        return sum(c.reward_info[name] > 0 for c in completions) / len(completions)
+        values = applied(name)
+        return sum(v > 0 for v in values) / len(values) if values else None
 
     stats = {
-        "reward_mean": statistics.fmean(rewards),
-        "reward_std": statistics.pstdev(rewards),
+        "reward_mean": statistics.fmean(rewards) if rewards else None,
+        "reward_std": statistics.pstdev(rewards) if rewards else None,
         "answer_accuracy": accuracy("answer"),
         "format_accuracy": accuracy("format")
         if accuracy("format") is not None
@@ -327,10 +332,12 @@ def summarize_groups(groups: list[Group]) -> dict:
         "tokens_generated": sum(lengths),
         "completion_length_mean": statistics.fmean(lengths),
         "finished_fraction": sum(c.is_finished for c in completions) / len(completions),
-        "zero_variance_groups": sum(len(set(g.rewards)) <= 1 for g in groups),
+        "zero_variance_groups": sum(len(set(g.scored_rewards)) <= 1 for g in groups),
+        "completions_unscored": len(completions) - len(rewards),
     }
     for name in completions[0].reward_info:
-        stats[f"reward_{name}"] = statistics.fmean(c.reward_info[name] for c in completions)
+        values = applied(name)
+        stats[f"reward_{name}"] = statistics.fmean(values) if values else None
     return stats
 
 

@@ -125,7 +125,8 @@ def _check(group: Group, limits: GroupLimits) -> None:
             )
         for key, value in c.reward_info.items():
             _text(key, f"{where}.reward_info key", 64)
-            _float32(value, f"{where}.reward_info[{key!r}]")
+            if value is not None:  # None: the component does not apply to this sample
+                _float32(value, f"{where}.reward_info[{key!r}]")
         for name in ("old_policy_log_probs", "ref_policy_log_probs"):
             _logprobs(getattr(c, name), f"{where}.{name}")
     for name, value in group.timings.items():

@@ -18,7 +18,9 @@ hold exactly n * itemsize bytes and descriptors name frames 1, 2, 3, ... in the 
 `whole_token_ids` is not sent: it is `prefix_token_ids + generated_token_ids`, rebuilt by
 `Group.whole_token_ids`. The header's optional `timings` object holds the sampler's seconds for
 the group ({"generate", "reference", "reward"}, each finite and >= 0); a sender that predates it
-leaves it out and still decodes. Control messages (`encode_control`) are a single header frame.
+leaves it out and still decodes. A completion's `reward_info` values are numbers or null (that reward
+component does not apply to the sample; a reader that predates null refuses the group, naming the key).
+Control messages (`encode_control`) are a single header frame.
 
 Weights travel on the sync channel as one message per chunk of a flat buffer (`encode_weights_chunk`):
 frame 0 a header {schema, kind: "weights", request, index, count, offset, nbytes, hash, manifest}
@@ -148,7 +150,7 @@ def encode_group(group: Group) -> list[bytes | memoryview]:
                 "text": _check_str(c.text, f"{where}.text"),
                 "is_finished": _check_bool(c.is_finished, f"{where}.is_finished"),
                 "reward": _finite(c.reward, f"{where}.reward"),
-                "reward_info": _float_dict(c.reward_info, f"{where}.reward_info"),
+                "reward_info": _reward_info(c.reward_info, f"{where}.reward_info"),
                 "advantage": _finite(c.advantage, f"{where}.advantage"),
                 "generated_token_ids": add(token_ids),
                 "old_policy_log_probs": add(old),
@@ -469,7 +471,7 @@ def _completion(c: dict, i: int, arrays: dict) -> Completion:
         generated_token_ids=token_ids,
         is_finished=_check_bool(c["is_finished"], f"{where}.is_finished"),
         reward=_finite(c["reward"], f"{where}.reward"),
-        reward_info=_float_dict(c["reward_info"], f"{where}.reward_info"),
+        reward_info=_reward_info(c["reward_info"], f"{where}.reward_info"),
         old_policy_log_probs=old,
         ref_policy_log_probs=ref,
         advantage=_finite(c["advantage"], f"{where}.advantage"),
@@ -527,13 +529,14 @@ def _finite(value: Any, where: str) -> float:
     return value
 
 
-def _float_dict(value: Any, where: str) -> dict[str, float]:
+def _reward_info(value: Any, where: str) -> dict[str, float | None]:
+    """str -> a finite number, or null where that reward component does not apply to the sample."""
     if not isinstance(value, dict):
-        raise WireError(f"{where} must be a dict of str -> number, got {_type(value)}")
+        raise WireError(f"{where} must be a dict of str -> number or null, got {_type(value)}")
     for key in value:
         if not isinstance(key, str):
             raise WireError(f"{where} keys must be str, got {_type(key)}")
-    return {key: _finite(v, f"{where}[{key!r}]") for key, v in value.items()}
+    return {key: None if v is None else _finite(v, f"{where}[{key!r}]") for key, v in value.items()}
 
 
 def _str_list(value: Any, where: str) -> list[str]:
