@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tandem.config import RewardSpec
-from tandem.data.prompts import build_messages, worked_shots
+from tandem.data.prompts import PromptStyle, build_messages, worked_shots
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.rollout import Rollout
 from tandem.types import Example
@@ -53,9 +53,9 @@ def rollout_with(model, tokenizer, rewards: RewardSet, **fields) -> Rollout:
         reference=None,
         tokenizer=tokenizer,
         rewards=rewards,
-        system_prompt="Be brief.",
-        num_shots=1,
-        prefill="<think>",
+        # rows built from a question: the math task's form; a row's own chat gets only the prefill
+        question_style=PromptStyle("Be brief.", tuple(worked_shots(1)), "<think>"),
+        row_style=PromptStyle("", (), "<think>"),
         num_generations=2,
         max_new_tokens=8,
         generator=torch.Generator().manual_seed(0),

@@ -288,9 +288,15 @@ def test_a_bad_prompt_row_is_named_before_any_model_loads():
     assert "tasks.jsonl:1: no `prompt` column (data.prompt_column)" in message
     assert "['question', 'solution']" in message
     check_run(config("data.dataset=tasks.jsonl", "data.prompt_column=question"), "grpo")
-    assert "num_shots is 3" in refused(
-        "grpo", "data.dataset=tasks.jsonl", "data.prompt_column=question", "data.num_shots=3"
+    Path("shots.jsonl").write_text('{"prompt": "1+1?", "completion": "2"}\n')
+    message = refused(
+        "grpo",
+        "data.dataset=tasks.jsonl",
+        "data.prompt_column=question",
+        "data.shots=shots.jsonl",
+        "data.num_shots=3",
     )
+    assert "num_shots is 3 but data.shots (shots.jsonl) hold 1" in message
 
 
 def test_parquet_needs_pyarrow(monkeypatch):
