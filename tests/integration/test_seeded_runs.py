@@ -112,6 +112,7 @@ def _safe_mm(reward_model_dirs) -> list[str]:
     return [
         f"dpo.safe_mm.helpful_model={helpful}",
         f"dpo.safe_mm.harmless_model={harmless}",
+        "dpo.safe_mm.variant=margin",  # the fixed-margin form this record was made with
         "dpo.safe_mm.helpful_weight=1.0",
         "dpo.safe_mm.harmless_weight=0.5",
         "dpo.safe_mm.safety_margin=0.3",
