@@ -1,9 +1,9 @@
 """TRL's calling convention in real rollouts on a tiny random model: what a reward receives there, and
-TRL's own shipped reward functions (trl.rewards) running unchanged inside a colocated `tandem grpo`.
+TRL's own shipped reward functions (trl.rewards) running unchanged inside `tandem grpo` (colocated, and
+decoupled: a sampler process and a trainer process) and `tandem ppo`, on a chat-format data file with a
+`solution` column.
 
-The TRL tests need the `trl` extra (pip install -e '.[trl]'); they skip without it. The chat rows are
-built here as Examples (prompt: chat messages, columns: {"solution": ...}); a data file can replace them
-once the any-data-set loader reads one.
+The TRL tests need the `trl` extra (pip install -e '.[trl]'); they skip without it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,37 +172,56 @@ def test_trl_reward_functions_in_a_rollout_match_trl(tiny_model, tiny_model_dir)
     assert {c.reward_info["accuracy_reward"] for c in groups[2].completions} == {None}  # empty gold
 
 
-def test_a_colocated_grpo_run_with_trl_rewards(tiny_model_dir, tmp_path, monkeypatch) -> None:
-    """`tandem grpo` (colocated, 2 steps) on chat rows with a solution column, scored by TRL's
-    think_format_reward, accuracy_reward and get_soft_overlong_punishment (a factory, via kwargs),
-    beside an old-form function (whose digit counts give a random model's groups some variance)."""
-    trl_rewards()
-    from tandem.cli import main
+REPO = Path(__file__).resolve().parents[2]
 
-    rows = [*CHAT_ROWS[:2], CHAT_ROWS[2]]
-    monkeypatch.setattr("tandem.data.stream.load_examples", lambda *args, **kwargs: list(rows))
+
+def chat_file(path: Path) -> Path:
+    """The chat rows as a data file: {prompt: [messages], solution, source}."""
+    path.write_text("".join(json.dumps({"prompt": r.prompt, **r.columns}) + "\n" for r in CHAT_ROWS))
+    return path
+
+
+@pytest.mark.parametrize("how", ["grpo-colocated", "grpo-decoupled", "ppo"])
+def test_runs_with_trl_rewards_on_a_chat_file(tiny_model_dir, tmp_path, how) -> None:
+    """`tandem grpo` / `tandem ppo` (2 steps) on a chat-format file with a solution column, scored by
+    TRL's think_format_reward, accuracy_reward and get_soft_overlong_punishment (a factory, via
+    kwargs), beside an old-form function (whose digit counts give a random model's groups some
+    variance). Decoupled: `tandem grpo` starts a trainer and a sampler process."""
+    trl_rewards()
+    method, _, mode = how.partition("-")
     argv = [
-        "grpo",
+        method,
         "experiment_name=trl",
         f"output_dir={tmp_path}",
         "seed=3",
         f"model.policy={tiny_model_dir}",
+        f"data.dataset={chat_file(tmp_path / 'chat.jsonl')}",
+        "data.num_examples=0",
         "sampling.dtype=float32",
         "sampling.max_new_tokens=8",
-        "sampling.num_generations=4",
+        f"sampling.num_generations={4 if method == 'grpo' else 1}",
         "sampling.batch_size=8",
-        "data.num_shots=0",
         f"rewards={TRL_SPECS[:-1]}, {{type: function, function: 'tiny_rewards:digit_count', weight: 0.1}}]",
-        "grpo.prompts_per_step=2",
+        f"grpo.prompts_per_step={2 if method == 'grpo' else 8}",
         "training.micro_batch_size=4",
         "training.gradient_accumulation_steps=2",
         "training.device=cpu",
         "training.max_steps=2",
         "training.save_steps=0",
         "training.sample_log_steps=1",
-        "pipeline.mode=colocated",
+        f"pipeline.mode={mode or 'colocated'}",
     ]
-    assert main(argv) == 0
+    paths = [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / "trl"
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in metrics] == [1, 2]
@@ -209,10 +231,14 @@ def test_a_colocated_grpo_run_with_trl_rewards(tiny_model_dir, tmp_path, monkeyp
         accuracy = row["reward_accuracy_reward"]  # over the rows with a gold; null if the batch had none
         assert accuracy is None or 0.0 <= accuracy <= 1.0
         assert row["completions_unscored"] == 0 and math.isfinite(row["reward_mean"])
-        assert row["grad_norm"] > 0  # the rewards vary within groups: the policy moves
-    samples = [json.loads(line) for path in sorted((run / "samples").glob("*.jsonl")) for line in path.open()]
-    names = {"think_format_reward", "accuracy_reward", "get_soft_overlong_punishment", "digit_count"}
-    assert samples and all(set(s["reward_info"]) == names for s in samples)
-    empty_gold = [s for s in samples if s["prompt_id"] == "chat-2"]
-    assert all(s["reward_info"]["accuracy_reward"] is None for s in empty_gold)  # JSON null in the log
+    if method == "grpo":
+        assert all(row["grad_norm"] > 0 for row in metrics)  # the rewards vary within groups
+        samples = [
+            json.loads(line) for path in sorted((run / "samples").glob("*.jsonl")) for line in path.open()
+        ]
+        names = {"think_format_reward", "accuracy_reward", "get_soft_overlong_punishment", "digit_count"}
+        assert samples and all(set(s["reward_info"]) == names for s in samples)
+        assert all(s["columns"]["source"] == "handmade" for s in samples)  # the file's other column
+        empty_gold = [s for s in samples if s["columns"]["solution"] == ""]
+        assert all(s["reward_info"]["accuracy_reward"] is None for s in empty_gold)  # JSON null in the log
     assert (run / "final" / "config.json").is_file()
