@@ -14,12 +14,12 @@ generated text`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tandem.config import DEFAULT_SYSTEM_PROMPT, DataConfig
+from tandem.data.files import read_jsonl
 
 BUILTIN_SHOTS = Path(__file__).parent / "shots" / "arithmetic.jsonl"
 MATH_PREFILL = "<think>"
@@ -43,17 +43,9 @@ def load_shots(path: str | Path) -> Shots:
     if not path.is_file():
         raise ValueError(f"shots file {path} does not exist")
     shots = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
+    for where, row in read_jsonl(path):
         if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("prompt", "completion"))):
-            raise ValueError(
-                f'{path}:{line_no}: a shot is {{"prompt": "...", "completion": "..."}} (strings)'
-            )
+            raise ValueError(f'{where}: a shot is {{"prompt": "...", "completion": "..."}} (strings)')
         shots.append((row["prompt"], row["completion"]))
     return tuple(shots)
 
