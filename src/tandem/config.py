@@ -700,6 +700,44 @@ class PipelineConfig:
 
 
 @dataclass
+class EvalConfig:
+    """`eval`: held-out evaluation during a GRPO/PPO run, every `steps` policy versions (0 = off) and
+    once before training, with the run's own rewards as the scorers (sampler/evaluation.py).
+    Colocated: the trainer evaluates between steps; decoupled: the sampler `sampler_id` evaluates
+    the versions it loads and sends the figures to the trainer, which logs them."""
+
+    steps: int = 0
+    dataset: str | None = None  # same forms as data.dataset; null = data.dataset's `split` below
+    split: str = "test"
+    num_examples: int = 100  # the first N rows (synthetic: N held-out problems)
+    num_samples: int = 1  # k completions per prompt: pass@k and mean@k
+    temperature: float | None = None  # null: greedy (0) for one sample, sampling.temperature for k > 1
+    max_new_tokens: int | None = None  # null: sampling.max_new_tokens
+    # the reward whose positive value means "correct" (accuracy, pass@k); null: `answer` if the run
+    # has it, else the first reward
+    correct_reward: str | None = None
+    sampler_id: str = (
+        "s0"  # decoupled: the sampler that evaluates (tandem grpo/launch name theirs s0, s1, ...)
+    )
+
+    def check(self, key: str = "eval") -> None:
+        _check(
+            self,
+            key,
+            steps=_at_least(0, "0 = off"),
+            num_examples=_at_least(1),
+            num_samples=_at_least(1),
+            temperature=(lambda v: v is None or v >= 0, ">= 0 (0 = greedy), or null"),
+            max_new_tokens=(lambda v: v is None or v >= 1, ">= 1, or null"),
+        )
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ConfigError(
+                f"`{key}.num_samples` is {self.num_samples} with {key}.temperature 0: greedy decoding "
+                f"gives k equal samples; set {key}.temperature > 0 (or null: sampling.temperature)"
+            )
+
+
+@dataclass
 class Config:
     method: Method = "grpo"  # the command that runs this config
     experiment_name: str = "grpo"
@@ -716,6 +754,7 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -746,7 +785,7 @@ class Config:
             )
         _check(self, "", seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"))
         sections = (self.model, self.data, self.sampling, self.grpo, self.sft, self.rm, self.dpo, self.ppo)
-        for section in (*sections, self.training, self.pipeline):
+        for section in (*sections, self.training, self.pipeline, self.eval):
             section.check()
         if self.method == "grpo" and self.sampling.num_generations < 2:
             raise ConfigError(
@@ -764,6 +803,12 @@ class Config:
         if self.method in ("grpo", "ppo"):
             check_rewards(self.rewards)
             validate_batch(self)
+            names = [spec.resolved_name for spec in self.rewards]
+            if self.eval.correct_reward is not None and self.eval.correct_reward not in names:
+                raise ConfigError(
+                    f"`eval.correct_reward` is {self.eval.correct_reward!r}; the run's rewards are "
+                    f"{', '.join(names)}: name one of them (or null: answer, else the first)"
+                )
         if self.method == "dpo" and self.dpo.safe_mm.enabled and self.dpo.loss_type != "sigmoid":
             raise ConfigError(
                 "`dpo.safe_mm` is set with dpo.loss_type=ipo; Safe-MM-DPO is defined for the "

@@ -92,13 +92,20 @@ def _plot_reward(name: str, steps: np.ndarray, rows: list[dict], smooth: int) ->
 
 
 def _plot_accuracy(name: str, steps: np.ndarray, rows: list[dict], smooth: int) -> Figure | None:
+    """The sampled batches' accuracies as curves; held-out evaluations (eval.*) as points at the
+    policy version they evaluated (version 0: before training)."""
     curves = {f: _series(rows, f) for f in ("answer_accuracy", "format_accuracy")}
-    if all(v is None for v in curves.values()):
+    held_out = {f: _eval_points(rows, f) for f in ("eval_accuracy", "eval_pass_at_k")}
+    if all(v is None for v in curves.values()) and not any(held_out.values()):
         return None
     fig, (ax,) = _new_figure()
     for field, values in curves.items():
         if values is not None:
             _line(ax, steps, values, field, smooth)
+    for field, points in held_out.items():
+        if points:
+            versions, values = zip(*points)
+            ax.plot(versions, values, marker="o", linestyle="--", label=f"{field} (held out)")
     ax.set(title=f"{name}: accuracy", ylabel="accuracy", ylim=(-0.02, 1.02))
     ax.legend(loc="best")
     return fig
@@ -123,6 +130,18 @@ def _plot_safe_mm(name: str, steps: np.ndarray, rows: list[dict], smooth: int) -
     axes[3].axhline(0.0, color="grey", linewidth=0.8)  # lambda rises above this line, falls below
     axes[0].set_title(f"{name}: Safe-MM-DPO losses, multiplier and cost")
     return fig
+
+
+def _eval_points(rows: list[dict], field: str) -> list[tuple[float, float]]:
+    """(policy version, value) of each held-out evaluation in the rows: `field` with its
+    eval_policy_version, and `field`_initial at version 0."""
+    points = []
+    for row in rows:
+        for suffix in ("_initial", ""):
+            value, version = row.get(field + suffix), row.get("eval_policy_version" + suffix)
+            if value is not None and version is not None:
+                points.append((float(version), float(value)))
+    return sorted(points)
 
 
 def _single(

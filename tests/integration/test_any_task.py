@@ -116,3 +116,111 @@ def test_a_bad_row_stops_the_run_before_any_model_loads(tiny_model_dir, tmp_path
         ConfigError, match=r"bad\.jsonl:2: column `prompt`, message 0: needs a string `content`"
     ):
         check_run(cfg, "grpo", probe=False)
+
+
+# --------------------------------------------------------------------------- evaluation during training
+
+
+def eval_config(model_dir, out_dir, data, name, *overrides):
+    return config(
+        model_dir,
+        out_dir,
+        data,
+        name,
+        "training.max_steps=3",
+        "eval.steps=2",
+        f"eval.dataset={data}",
+        "eval.split=train",
+        "eval.num_examples=3",
+        *overrides,
+    )
+
+
+def rows(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_colocated_eval_rows_on_schedule_and_training_unchanged(tiny_model_dir, tmp_path):
+    """eval.steps=2 over 3 steps: version 0 before training (row 1, eval_*_initial), version 2 in row
+    2; the greedy figures equal a direct evaluation of the saved weights (answer reward on the solution
+    column); and evaluating does not change what the run trains on (its own random stream)."""
+    from safetensors.torch import load_file
+
+    data = chat_file(tmp_path / "tasks.jsonl")
+    train_grpo(eval_config(tiny_model_dir, tmp_path, data, "with_eval"))
+    train_grpo(eval_config(tiny_model_dir, tmp_path, data, "no_eval", "eval.steps=0"))
+    with_eval, without = rows(tmp_path / "with_eval"), rows(tmp_path / "no_eval")
+    assert [r.get("eval_policy_version") for r in with_eval] == [None, 2, None]
+    assert with_eval[0]["eval_policy_version_initial"] == 0 and with_eval[0]["eval_num_examples_initial"] == 3
+    for row in (with_eval[0], with_eval[1]):
+        suffix = "_initial" if row is with_eval[0] else ""
+        accuracy = row[f"eval_accuracy{suffix}"]
+        assert accuracy is None or 0 <= accuracy <= 1  # the answer reward: null where no gold parses
+        assert row[f"eval_pass_at_k{suffix}"] == accuracy  # one greedy sample per prompt
+        assert row[f"eval_completion_length{suffix}"] > 0 and row[f"eval_seconds{suffix}"] > 0
+    assert not any(k.startswith("eval_") for k in without[0])
+    for a, b in zip(with_eval, without, strict=True):
+        assert (a["loss"], a["reward_mean"], a["grad_norm"]) == (b["loss"], b["reward_mean"], b["grad_norm"])
+    a, b = (
+        load_file(str(tmp_path / "with_eval/final/model.safetensors")),
+        load_file(str(tmp_path / "no_eval/final/model.safetensors")),
+    )
+    assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_decoupled_eval_is_made_by_the_sampler_and_logged_by_the_trainer(tiny_model_dir, tmp_path):
+    """`tandem grpo` decoupled: sampler s0 evaluates the versions it loads (0, 2, ...) and the trainer
+    logs them in its rows, naming the version."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    data = chat_file(tmp_path / "tasks.jsonl")
+    argv = [
+        "experiment_name=dec",
+        f"output_dir={tmp_path}",
+        "seed=3",
+        f"model.policy={tiny_model_dir}",
+        f"data.dataset={data}",
+        "data.num_examples=0",
+        "sampling.max_new_tokens=6",
+        "sampling.num_generations=4",
+        "sampling.batch_size=8",
+        "rewards=[{type: answer}, {type: format}]",
+        "grpo.prompts_per_step=2",
+        "grpo.skip_zero_variance_groups=false",
+        "training.micro_batch_size=4",
+        "training.gradient_accumulation_steps=2",
+        "training.max_steps=4",
+        "training.save_steps=0",
+        "training.device=cpu",
+        "pipeline.mode=decoupled",
+        "pipeline.max_staleness=0",
+        "eval.steps=2",
+        f"eval.dataset={data}",
+        "eval.split=train",
+        "eval.num_examples=2",
+        "eval.num_samples=2",
+        "eval.temperature=1.0",
+    ]
+    paths = [str(repo / "src"), str(repo / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "grpo", *argv],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logged = rows(tmp_path / "dec")
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    initial = [r for r in logged if "eval_policy_version_initial" in r]
+    assert len(initial) == 1 and initial[0]["eval_num_samples_initial"] == 2
+    versions = [r["eval_policy_version"] for r in logged if "eval_policy_version" in r]
+    assert versions and all(v % 2 == 0 and v > 0 for v in versions)  # version 4 may come after the end
+    row = next(r for r in logged if "eval_policy_version" in r)
+    assert row["eval_num_examples"] == 2 and row["eval_num_samples"] == 2

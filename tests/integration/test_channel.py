@@ -240,3 +240,38 @@ def test_an_oversize_frame_closes_its_connection_and_is_counted(context, closing
     while receiver.connections_closed == 0 and time.monotonic() < deadline:
         assert receiver.recv(timeout=0.1) is None
     assert receiver.connections_closed >= 1
+
+
+def test_a_samplers_evaluation_rides_the_data_channel_beside_groups(address, closing, context):
+    """An `eval` message reaches the receiver's `evals` between groups; a malformed one, or another
+    control kind, is dropped and counted like any bad message, and never stops the groups."""
+    from tandem.transport.wire import WireError, encode_eval
+
+    receiver = closing(GroupReceiver(address))
+    sender = closing(GroupSender(address))
+    sender.send(make_group("g0"), timeout=RECV_TIMEOUT_S)
+    sender.send_eval("s0", 4, {"eval_accuracy": 0.5, "eval_pass_at_k": None}, timeout=RECV_TIMEOUT_S)
+    raw = raw_push(context, address, closing)
+    raw.send_multipart(encode_control("eval", {"sampler_id": "s0", "policy_version": -1, "fields": {}}))
+    raw.send_multipart(encode_control("eval", {"sampler_id": "s0", "policy_version": 1, "fields": {"x": 1}}))
+    raw.send_multipart(encode_control("stop", {}))
+    raw.send_multipart(
+        [
+            b'{"schema": 1, "kind": "eval", "payload": {"sampler_id": "s0", "policy_version": 2, '
+            b'"fields": {"eval_accuracy": NaN}}}'
+        ]
+    )
+    sender.send(make_group("g1"), timeout=RECV_TIMEOUT_S)
+    received = [receiver.recv(timeout=RECV_TIMEOUT_S) for _ in range(2)]
+    assert [g.group_id for g in received] == ["g0", "g1"]
+    deadline = time.monotonic() + RECV_TIMEOUT_S  # the raw socket's messages are queued apart
+    while sum(receiver.dropped.values()) < 4 and time.monotonic() < deadline:
+        assert receiver.recv(timeout=0.1) is None
+    assert list(receiver.evals) == [
+        {"sampler_id": "s0", "policy_version": 4, "fields": {"eval_accuracy": 0.5, "eval_pass_at_k": None}}
+    ]
+    assert sum(receiver.dropped.values()) == 4 and receiver.received["s0"] == 2
+    with pytest.raises(WireError, match="eval field names"):
+        encode_eval("s0", 1, {"accuracy": 1.0})
+    with pytest.raises(WireError, match="finite number or null"):
+        encode_eval("s0", 1, {"eval_accuracy": float("inf")})

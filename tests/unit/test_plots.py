@@ -286,3 +286,17 @@ def test_a_decoupled_timing_figure_shows_the_sampler_beside_the_trainer(tmp_path
     colocated = [{k: v for k, v in r.items() if k != "messages_dropped"} for r in rows]
     fig = _plot_timing("run", np.arange(1, 4, dtype=float), colocated, 0)
     assert len(fig.axes) == 1
+
+
+def test_held_out_evaluations_are_points_at_their_version(tmp_path):
+    from tandem.plots import FIGURES
+
+    rows = [
+        {"step": 1, "answer_accuracy": 0.2, "eval_accuracy_initial": 0.1, "eval_policy_version_initial": 0},
+        {"step": 2, "answer_accuracy": 0.3},
+        {"step": 3, "answer_accuracy": 0.4, "eval_accuracy": 0.5, "eval_policy_version": 2},
+    ]
+    fig = FIGURES["accuracy.png"]("run", np.array([1.0, 2.0, 3.0]), rows, 0)
+    (held_out,) = [line for line in fig.axes[0].lines if "held out" in line.get_label()]
+    np.testing.assert_allclose(held_out.get_xdata(), [0.0, 2.0])
+    np.testing.assert_allclose(held_out.get_ydata(), [0.1, 0.5])

@@ -47,6 +47,7 @@ from tandem.distributed.runtime import gpu_memory, resolve_device, set_seed, set
 from tandem.models.loading import load_tokenizer
 from tandem.models.lora import adapter_parameters, is_lora
 from tandem.rewards.calling import RewardError
+from tandem.sampler.evaluation import Evaluator
 from tandem.sampler.rollout import build_rollout
 from tandem.transport.channel import GroupSender
 from tandem.transport.pacing import batch_share, groups_allowed
@@ -82,6 +83,9 @@ class Sampler:
         )
         generator = torch.Generator(device="cpu").manual_seed(cfg.seed * 7919 + salt)
         self.rollout = build_rollout(cfg, None, tokenizer, generator, self.device, sampler_id=sampler_id)
+        # eval.*: this sampler evaluates the versions it loads (one sampler of a run does)
+        evaluates = cfg.eval.steps > 0 and sampler_id == cfg.eval.sampler_id
+        self.evaluator = Evaluator(cfg, self.rollout) if evaluates else None
         self.batch_prompts = max(1, cfg.sampling.batch_size // cfg.sampling.num_generations)
         self.stream = prompt_stream(cfg.data, self.batch_prompts, seed=cfg.seed, stream_seed=cfg.seed + salt)
         self.log_dir = cfg.run_dir / "samplers"
@@ -215,7 +219,28 @@ class Sampler:
             self.first_batch, self.made = status.batches, 0
         self.version, self.run_id = manifest.version, manifest.run_id
         self.schedule = status if status.run_id == manifest.run_id else None
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if self.evaluator is not None and self.evaluator.due(self.version):
+            self.evaluate()
+        return seconds
+
+    def evaluate(self) -> None:
+        """The held-out evaluation of the version loaded now, sent to the trainer (it logs it in its
+        next row); the sampler makes no groups meanwhile."""
+        fields = self.evaluator.run(self.version)
+        log.info(
+            "sampler %s: evaluated v%d in %.1f s: accuracy %s",
+            self.sampler_id,
+            self.version,
+            fields["eval_seconds"],
+            fields["eval_accuracy"],
+        )
+        try:
+            self.sender.send_eval(self.sampler_id, self.version, fields, timeout=POLL_S * 5)
+        except TimeoutError as err:
+            log.warning(
+                "sampler %s: the evaluation of v%d was not sent: %s", self.sampler_id, self.version, err
+            )
 
     def remaining(self) -> int:
         """Groups this sampler may still make before it waits for newer weights (pacing, above)."""

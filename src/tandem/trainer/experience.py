@@ -23,6 +23,7 @@ from tandem.atomic import atomic_write_text
 from tandem.config import Config
 from tandem.data.stream import PromptStream
 from tandem.models.lora import sync_tensors
+from tandem.sampler.evaluation import Evaluator, row_fields
 from tandem.sampler.rollout import Rollout
 from tandem.transport.admission import GroupLimits
 from tandem.transport.pacing import age, announce, drop_reason, publishes_at, version_base
@@ -39,8 +40,16 @@ KEEP_ALIVE_S = 60.0  # a distributed trainer's rank 0 tells the others it still 
 class LocalExperience:
     """Colocated: generate each batch in this process, with the newest weights."""
 
-    def __init__(self, rollout: Rollout, stream: PromptStream, policy: torch.nn.Module) -> None:
+    def __init__(
+        self,
+        rollout: Rollout,
+        stream: PromptStream,
+        policy: torch.nn.Module,
+        evaluator: Evaluator | None = None,
+    ) -> None:
         self.rollout, self.stream, self.policy = rollout, stream, policy
+        self.evaluator = evaluator  # eval.steps > 0: held-out evaluations between steps
+        self.pending_evals: list[tuple[int, dict]] = []
         self.version = 0
         self._stale_copy = False
 
@@ -75,7 +84,22 @@ class LocalExperience:
     def on_step(self, policy: torch.nn.Module, step: int) -> dict:
         self.version += 1  # one version per optimizer step, as a decoupled trainer with sync_every 1
         self._stale_copy = True  # copied lazily: several optimizer steps may share one batch
-        return {}
+        evals, self.pending_evals = self.pending_evals, []
+        if self.evaluator is not None and self.evaluator.due(self.version):
+            evals.append((self.version, self.evaluate()))
+        return row_fields(evals)
+
+    def evaluate(self) -> dict:
+        """The held-out evaluation of the version this process holds now (eval.*)."""
+        if self._stale_copy:
+            copy_weights(self.policy, self.rollout.policy)
+            self._stale_copy = False
+        return self.evaluator.run(self.version)
+
+    def evaluate_initial(self) -> None:
+        """Before the first step of a fresh run: version 0's evaluation, logged in the first row."""
+        if self.evaluator is not None and self.version == 0 and self.evaluator.due(0):
+            self.pending_evals.append((0, self.evaluate()))
 
     def state_dict(self) -> dict:
         return {
@@ -203,13 +227,22 @@ class RemoteExperience:
         return None if self.stepped_since_publish else self.version
 
     def on_step(self, policy: torch.nn.Module, step: int) -> dict:
+        evals = self.received_evals()
         self.stepped_since_publish = not publishes_at(step, self.cfg.pipeline.sync_every)
         if self.stepped_since_publish:
-            return {}
+            return evals
         self.version += 1
         self._announce()  # before the new version is visible: its pacing horizon comes first
         stats = {"sync_seconds": self.publish(policy), "sync_megabytes": self.published_bytes / 1e6}
-        return {**stats, **self.publisher.stats()}  # zmq: versions lent (same host) and sent as chunks
+        # zmq: versions lent (same host) and sent as chunks
+        return {**stats, **self.publisher.stats(), **evals}
+
+    def received_evals(self) -> dict:
+        """The samplers' held-out evaluations that arrived since the last row: the newest one's eval_*
+        fields, and version 0's as eval_*_initial (evaluation.row_fields)."""
+        evals = list(self.receiver.evals)
+        self.receiver.evals.clear()
+        return row_fields([(e["policy_version"], e["fields"]) for e in evals])
 
     def next_groups(
         self, num_groups: int, keep_alive: Callable[[], None] | None = None

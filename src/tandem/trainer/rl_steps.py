@@ -26,6 +26,7 @@ from tandem.data.stream import prompt_stream
 from tandem.distributed.batches import pad_micro_batches
 from tandem.distributed.env import DistEnv, broadcast_after_waits, keep_alive, scatter_tensor_dicts
 from tandem.distributed.runtime import peak_rss_gb
+from tandem.sampler.evaluation import Evaluator
 from tandem.sampler.rollout import build_rollout
 from tandem.trainer import run
 from tandem.trainer.batching import (
@@ -205,12 +206,16 @@ def open_experience(cfg: Config, env: DistEnv, engine, tokenizer, generator, dev
             experience = RemoteExperience(cfg, cfg.run_dir, engine.module)
     if state is not None:
         experience.load_state_dict(state["experience"])
+    elif isinstance(experience, LocalExperience):
+        experience.evaluate_initial()
     return experience
 
 
 def local_experience(cfg: Config, policy, tokenizer, generator, device) -> LocalExperience:
     stream = prompt_stream(cfg.data, cfg.prompts_per_step, seed=cfg.seed, stream_seed=cfg.seed)
-    return LocalExperience(build_rollout(cfg, policy, tokenizer, generator, device), stream, policy)
+    rollout = build_rollout(cfg, policy, tokenizer, generator, device)
+    evaluator = Evaluator(cfg, rollout) if cfg.eval.steps > 0 else None
+    return LocalExperience(rollout, stream, policy, evaluator)
 
 
 def publish(experience, engine, cfg: Config, step: int, groups: list[Group]) -> dict:

@@ -10,7 +10,7 @@ import logging
 import math
 import socket
 import time
-from collections import Counter
+from collections import Counter, deque
 
 import zmq
 
@@ -18,11 +18,22 @@ from tandem.config import CurveConfig
 from tandem.transport.admission import GroupLimits, check_group
 from tandem.transport.auth import CountingAuthenticator, HandshakeWatch, configure_client, configure_server
 from tandem.transport.drops import Drops
-from tandem.transport.wire import MAX_GROUP_FRAMES, MAX_MESSAGE_BYTES, WireError, decode_group, encode_group
+from tandem.transport.wire import (
+    EVAL_KIND,
+    MAX_GROUP_FRAMES,
+    MAX_MESSAGE_BYTES,
+    WireError,
+    check_eval,
+    decode_control,
+    decode_group,
+    encode_eval,
+    encode_group,
+)
 from tandem.types import Group
 
 DEFAULT_DATA_PORT = 5555
 MAX_SAMPLER_KEYS = 64  # sampler ids counted by name in `received`; the rest count as "other"
+MAX_PENDING_EVALS = 16  # held-out evaluations kept until the trainer logs them
 POLL_SLICE_S = 0.25  # a blocked sender looks at its handshakes this often
 
 logger = logging.getLogger(__name__)
@@ -103,7 +114,9 @@ class GroupSender:
         wait forever); the group was then not sent and may be retried. A group that cannot be
         encoded raises `WireError` before anything is sent.
         """
-        frames = encode_group(group)
+        self._send_frames(encode_group(group), timeout, f"group {group.group_id}")
+
+    def _send_frames(self, frames: list, timeout: float | None, what: str) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             refused = self._handshakes.check() is not None  # (and reconnects after a refusal)
@@ -123,9 +136,15 @@ class GroupSender:
                 why = self.handshake_problem() or (
                     f"the trainer is not receiving (high-water mark of {self.sndhwm} group(s) reached)"
                 )
-                raise TimeoutError(
-                    f"group {group.group_id} not queued to {self.address} within {timeout}s: {why}"
-                )
+                raise TimeoutError(f"{what} not queued to {self.address} within {timeout}s: {why}")
+
+    def send_eval(
+        self, sampler_id: str, policy_version: int, fields: dict, timeout: float | None = None
+    ) -> None:
+        """Queue a held-out evaluation (wire.encode_eval) for the trainer; TimeoutError as `send`."""
+        self._send_frames(
+            encode_eval(sampler_id, policy_version, fields), timeout, f"eval of version {policy_version}"
+        )
 
     def handshake_problem(self) -> str | None:
         """Why the trainer refuses this sender's handshakes (CURVE keys, see auth.HandshakeWatch);
@@ -182,6 +201,7 @@ class GroupReceiver:
         self.dropped: Counter[str] = self._drops.counts  # malformed messages, by WireError reason
         self.rejected: Counter[str] = self._rejections.counts  # well-formed groups the run cannot use
         self.received: Counter[str] = Counter()
+        self.evals: deque[dict] = deque(maxlen=MAX_PENDING_EVALS)  # samplers' evaluations, oldest first
         self._own_context = context is None
         self._context = zmq.Context(io_threads=1) if context is None else context
         self._socket = self._context.socket(zmq.PULL)
@@ -226,6 +246,9 @@ class GroupReceiver:
             try:
                 if frames is None:
                     raise WireError(f"message has more than {self._max_frames} frames", "frames")
+                if len(frames) == 1:  # a control message: a sampler's held-out evaluation
+                    self._eval(frames)
+                    continue
                 group = decode_group(frames, max_bytes=self.max_bytes)
             except WireError as err:
                 self._drop(err.reason, str(err))
@@ -242,6 +265,14 @@ class GroupReceiver:
             if deadline is not None and time.monotonic() >= deadline:
                 break
         return None
+
+    def _eval(self, frames) -> None:
+        """Keep a valid `eval` message's payload in `evals` (the newest MAX_PENDING_EVALS); anything
+        else in one frame raises WireError (dropped and counted by the caller)."""
+        kind, payload = decode_control(frames, max_bytes=self.max_bytes)
+        if kind != EVAL_KIND:
+            raise WireError(f"control message of kind {kind!r} on the data channel", "schema")
+        self.evals.append(check_eval(payload))
 
     @property
     def connections_closed(self) -> int:

@@ -278,6 +278,43 @@ def decode_control(frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES)
     return kind, payload
 
 
+EVAL_KIND = "eval"
+MAX_EVAL_FIELDS = 64
+_EVAL_KEYS = frozenset({"sampler_id", "policy_version", "fields"})
+
+
+def encode_eval(sampler_id: str, policy_version: int, fields: dict) -> list[bytes]:
+    """A sampler's held-out evaluation of one policy version (sampler/evaluation.py), sent to the
+    trainer on the data channel as a one-frame `eval` control message: {sampler_id, policy_version,
+    fields: {name: number or null}}."""
+    payload = {"sampler_id": sampler_id, "policy_version": policy_version, "fields": fields}
+    check_eval(payload)
+    return encode_control(EVAL_KIND, payload)
+
+
+def check_eval(payload: dict) -> dict:
+    """An `eval` payload as the schema allows it (exactly its keys; an id of at most 256 characters, a
+    version in [0, 2**31), at most MAX_EVAL_FIELDS fields named eval_* of at most 64 characters, each a
+    finite number or null), else WireError. Returns the payload."""
+    _check_keys(payload, _EVAL_KEYS, "eval payload")
+    sampler_id, version, fields = payload["sampler_id"], payload["policy_version"], payload["fields"]
+    if not isinstance(sampler_id, str) or not 0 < len(sampler_id) <= 256:
+        raise WireError("eval sampler_id must be a string of 1 to 256 characters")
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= _INT32_MAX:
+        raise WireError(f"eval policy_version must be an int in [0, 2**31), got {_type(version)}")
+    if not isinstance(fields, dict) or len(fields) > MAX_EVAL_FIELDS:
+        raise WireError(f"eval fields must be an object of at most {MAX_EVAL_FIELDS} entries")
+    for name, value in fields.items():
+        if not (isinstance(name, str) and name.startswith("eval_") and len(name) <= 64):
+            raise WireError("eval field names are eval_* of at most 64 characters")
+        ok = value is None or (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        )
+        if not ok:
+            raise WireError(f"eval field {name} must be a finite number or null, got {_type(value)}")
+    return payload
+
+
 def _byte_views(frames: Sequence[Any], max_bytes: int, max_frames: int | None = None) -> list[memoryview]:
     if isinstance(frames, (bytes, bytearray, memoryview, str)) or not isinstance(frames, Sequence):
         raise WireError(f"frames must be a list of byte buffers, got {type(frames).__name__}", "frames")
