@@ -274,7 +274,8 @@ class StepRecord:
             row["world_size"] = self.env.world_size
         batch.stats = {**batch.stats, **dict.fromkeys(PER_BATCH_TIMES & batch.stats.keys(), 0.0)}
         self.row_start = now
-        if step % self.tc.logging_steps == 0 or step == self.tc.max_steps:
+        evaluated = any(key.startswith("eval_") for key in row)  # a held-out evaluation is never skipped
+        if step % self.tc.logging_steps == 0 or step == self.tc.max_steps or evaluated:
             self.logger.log(row)
         self.bar.update(1)
         self.bar.set_postfix(**self.postfix(row))
