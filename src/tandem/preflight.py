@@ -152,6 +152,16 @@ def _check_data(cfg: Config, *, trainer: bool, sampler: bool, probes: dict) -> N
     sources = []
     if sampler:
         sources.append(("data.dataset", d.dataset, "prompts", d.split))
+    evaluates = (
+        cfg.method in ("grpo", "ppo") and cfg.eval.steps > 0 and (sampler or cfg.pipeline.mode == "colocated")
+    )
+    if evaluates:
+        if cfg.eval.dataset is None and Path(d.dataset).expanduser().is_file():
+            raise ConfigError(
+                f"`eval.dataset` is unset and data.dataset {d.dataset} is one file, which has no held-out "
+                "split: give eval.dataset (a file of held-out prompts), or set eval.steps=0"
+            )
+        sources.append(("eval.dataset", cfg.eval.dataset or d.dataset, "prompts", cfg.eval.split))
     elif trainer and cfg.method in ("sft", "rm", "dpo"):
         use = "sft" if cfg.method == "sft" else "preferences"
         sources.append(("data.dataset", d.dataset, use, d.split))

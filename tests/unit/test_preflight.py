@@ -562,3 +562,14 @@ def test_check_dataset_for_eval_names_its_flags():
     with pytest.raises(ConfigError, match="set --split train"):
         check_dataset("gsm", "--dataset", split="test", split_key="--split")
     assert check_dataset("gsm/train.jsonl", "--dataset", split="test") == "file"
+
+
+def test_an_evaluation_needs_held_out_prompts():
+    Path("tasks.jsonl").write_text('{"prompt": "What is 2+2?", "solution": "4"}\n')
+    message = refused("grpo", "data.dataset=tasks.jsonl", "eval.steps=5")
+    assert "`eval.dataset` is unset and data.dataset tasks.jsonl is one file" in message
+    Path("held.jsonl").write_text('{"prompt": ["bad"]}\n')
+    message = refused("grpo", "data.dataset=tasks.jsonl", "eval.steps=5", "eval.dataset=held.jsonl")
+    assert message.startswith("`eval.dataset`: held.jsonl:1: column `prompt`, message 0")
+    check_run(config("data.dataset=tasks.jsonl", "eval.steps=5", "eval.dataset=tasks.jsonl"), "grpo")
+    check_run(config("eval.steps=5"), "grpo")  # synthetic: its test split is held out
