@@ -105,7 +105,10 @@ def test_each_rank_loads_its_shard_and_trains_as_a_whole_load_and_ddp(tiny_model
     assert record_whole["held_at_load"] == [record["full_numel"]] * 2  # the path zero.Init replaces
     assert record["held_after_steps"] == [half, half]  # and training ran on shards
     for row, row_whole in zip(record["rows"], record_whole["rows"], strict=True):
-        assert row == pytest.approx(row_whole, rel=1e-12)  # grad_norm: seen 1 float64 ulp apart
+        nulls = {k for k, v in row.items() if v is None}  # fields nothing applied to (e.g. a reward's mean)
+        assert nulls == {k for k, v in row_whole.items() if v is None}
+        numbers, numbers_whole = ({k: v for k, v in r.items() if k not in nulls} for r in (row, row_whole))
+        assert numbers == pytest.approx(numbers_whole, rel=1e-12)  # grad_norm: seen 1 float64 ulp apart
     assert_same(sharded, whole, "zero.Init vs whole load")  # measured: bit for bit equal
     assert_same(sharded, ddp, "zero.Init vs ddp")
 
