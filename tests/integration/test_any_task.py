@@ -6,8 +6,11 @@ run before any model loads."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
+from test_pipeline import REPO, env
 
 from tandem.config import ConfigError, load_config
 from tandem.models.loading import load_tokenizer
@@ -33,32 +36,33 @@ def chat_file(path, system: str | None = "Reply with a number."):
     return path
 
 
-def config(model_dir, out_dir, data, name, *overrides):
-    return load_config(
-        None,
-        [
-            f"experiment_name={name}",
-            f"output_dir={out_dir}",
-            "seed=3",
-            f"model.policy={model_dir}",
-            f"data.dataset={data}",
-            "data.num_examples=0",
-            "sampling.max_new_tokens=6",
-            "sampling.num_generations=4",
-            "sampling.batch_size=8",
-            "rewards=[{type: answer}, {type: format}]",
-            "grpo.prompts_per_step=2",
-            "grpo.skip_zero_variance_groups=false",
-            "training.micro_batch_size=4",
-            "training.gradient_accumulation_steps=2",
-            "training.max_steps=2",
-            "training.save_steps=0",
-            "training.sample_log_steps=1",
-            "training.device=cpu",
-            "pipeline.mode=colocated",
-            *overrides,
-        ],
-    )
+def overrides(model_dir, out_dir, data, name) -> list[str]:
+    """A tiny GRPO run on `data` (2 steps of 2 prompts x 4 completions), colocated."""
+    return [
+        f"experiment_name={name}",
+        f"output_dir={out_dir}",
+        "seed=3",
+        f"model.policy={model_dir}",
+        f"data.dataset={data}",
+        "data.num_examples=0",
+        "sampling.max_new_tokens=6",
+        "sampling.num_generations=4",
+        "sampling.batch_size=8",
+        "rewards=[{type: answer}, {type: format}]",
+        "grpo.prompts_per_step=2",
+        "grpo.skip_zero_variance_groups=false",
+        "training.micro_batch_size=4",
+        "training.gradient_accumulation_steps=2",
+        "training.max_steps=2",
+        "training.save_steps=0",
+        "training.sample_log_steps=1",
+        "training.device=cpu",
+        "pipeline.mode=colocated",
+    ]
+
+
+def config(model_dir, out_dir, data, name, *more):
+    return load_config(None, [*overrides(model_dir, out_dir, data, name), *more])
 
 
 def test_grpo_trains_on_a_chat_file_and_logs_its_columns(tiny_model_dir, tmp_path):
@@ -171,31 +175,10 @@ def test_colocated_eval_rows_on_schedule_and_training_unchanged(tiny_model_dir, 
 def test_decoupled_eval_is_made_by_the_sampler_and_logged_by_the_trainer(tiny_model_dir, tmp_path):
     """`tandem grpo` decoupled: sampler s0 evaluates the versions it loads (0, 2, ...) and the trainer
     logs them in its rows, naming the version."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
     data = chat_file(tmp_path / "tasks.jsonl")
     argv = [
-        "experiment_name=dec",
-        f"output_dir={tmp_path}",
-        "seed=3",
-        f"model.policy={tiny_model_dir}",
-        f"data.dataset={data}",
-        "data.num_examples=0",
-        "sampling.max_new_tokens=6",
-        "sampling.num_generations=4",
-        "sampling.batch_size=8",
-        "rewards=[{type: answer}, {type: format}]",
-        "grpo.prompts_per_step=2",
-        "grpo.skip_zero_variance_groups=false",
-        "training.micro_batch_size=4",
-        "training.gradient_accumulation_steps=2",
+        *overrides(tiny_model_dir, tmp_path, data, "dec"),
         "training.max_steps=4",
-        "training.save_steps=0",
-        "training.device=cpu",
         "pipeline.mode=decoupled",
         "pipeline.max_staleness=0",
         "eval.steps=2",
@@ -205,12 +188,10 @@ def test_decoupled_eval_is_made_by_the_sampler_and_logged_by_the_trainer(tiny_mo
         "eval.num_samples=2",
         "eval.temperature=1.0",
     ]
-    paths = [str(repo / "src"), str(repo / "tests"), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "grpo", *argv],
-        cwd=repo,
-        env=env,
+        cwd=REPO,
+        env=env(),
         capture_output=True,
         text=True,
         timeout=600,

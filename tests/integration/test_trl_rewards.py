@@ -11,13 +11,13 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_pipeline import REPO, env
 from transformers import AutoTokenizer
 
 from tandem.config import RewardSpec
@@ -172,9 +172,6 @@ def test_trl_reward_functions_in_a_rollout_match_trl(tiny_model, tiny_model_dir)
     assert {c.reward_info["accuracy_reward"] for c in groups[2].completions} == {None}  # empty gold
 
 
-REPO = Path(__file__).resolve().parents[2]
-
-
 def chat_file(path: Path) -> Path:
     """The chat rows as a data file: {prompt: [messages], solution, source}."""
     path.write_text("".join(json.dumps({"prompt": r.prompt, **r.columns}) + "\n" for r in CHAT_ROWS))
@@ -211,12 +208,10 @@ def test_runs_with_trl_rewards_on_a_chat_file(tiny_model_dir, tmp_path, how) -> 
         "training.sample_log_steps=1",
         f"pipeline.mode={mode or 'colocated'}",
     ]
-    paths = [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "tandem.cli", *argv],
         cwd=REPO,
-        env=env,
+        env=env(),
         capture_output=True,
         text=True,
         timeout=600,
