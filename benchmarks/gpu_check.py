@@ -7,7 +7,8 @@
 It runs the `gpu`-marked tests (tests/gpu: generation, process groups, packed log-probs per
 attention implementation, checkpoint maps, weight snapshots on CUDA) and short acceptance runs of
 the embedded model (nothing is downloaded): GRPO colocated and decoupled on one GPU, in bf16 and
-fp16; DDP, ZeRO-2 and ZeRO-3 groups of one over nccl and over gloo; a sampled eval. Each run's
+fp16; DDP, ZeRO-2 and ZeRO-3 groups of one over nccl and over gloo (each with a held-out
+evaluation, eval.*, before training and at step 3); a sampled `tandem eval`. Each run's
 record gives its step seconds, generation tokens/s, `ratio_abs_dev` of its first step (the
 on-policy ratio's distance from 1: sampler and trainer scoring the same tokens), sync seconds and
 peak GPU memory. The results go to benchmarks/results/gpu_check.json (commit it: it is the record
@@ -61,6 +62,9 @@ def short_run(mode: str, precision: str, strategy: str = "none", backend: str = 
         f"sampling.dtype={sampling_dtype}",
         f"pipeline.mode={mode}",
         f"training.dist_backend={backend}",
+        # held-out evaluation on the device: before training (trainer or sampler s0) and at step 3
+        "eval.steps=3",
+        "eval.num_examples=8",
         *(
             [f"training.distributed_strategy={strategy}"]
             if not strategy.startswith("zero")
@@ -180,6 +184,7 @@ def run_check(check: Check, workdir: Path, env: dict) -> None:
     if check.kind == "run":
         check.result.update(run_figures(workdir / check.name))
         check.result["passed"] &= check.result.get("steps", 0) > 0 and check.result.get("loss_finite", False)
+        check.result["passed"] &= check.result.get("evaluated_initial", False)
     elif check.kind == "eval" and (workdir / f"{check.name}.json").is_file():
         report = json.loads((workdir / f"{check.name}.json").read_text())
         check.result.update(answer_accuracy=report.get("answer_accuracy"), eval_seconds=report.get("seconds"))
@@ -223,6 +228,7 @@ def run_figures(run_dir: Path) -> dict:
         "gpu_memory_peak_gb": peak(rows),  # the trainer's
         "sampler_gpu_memory_peak_gb": peak(sampler_rows),  # decoupled: the sampler's, on the same GPU
         "loss_finite": all(isinstance(r.get("loss"), int | float) and r["loss"] == r["loss"] for r in rows),
+        "evaluated_initial": any("eval_policy_version_initial" in r for r in rows),  # eval.* ran there
     }
 
 

@@ -50,6 +50,7 @@ def test_a_cpu_self_check_runs_records_and_tabulates(tiny_model_dir, tmp_path):
     run = results["checks"]["colocated-bf16"]
     assert run["steps"] == 3 and run["loss_finite"] and run["step_seconds"] > 0
     assert run["generate_tokens_per_second"] > 0 and run["ratio_abs_dev_first_step"] is not None
+    assert run["evaluated_initial"]  # the held-out evaluation (eval.*) ran on the device
     assert "colocated-bf16   pass" in proc.stdout
 
 

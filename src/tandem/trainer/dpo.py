@@ -178,10 +178,12 @@ def prepare(cfg: Config, engine, tokenizer, env: DistEnv, device: torch.device):
     if cfg.dpo.safe_mm.enabled:
         if cfg.dpo.safe_mm.variant == "lagrangian" and env.is_main:
             warn_if_not_a_cost_model(cfg.dpo.safe_mm.harmless_model)
-        for data, raw in ((train, train_raw), (evals, eval_raw)):
+        # one pass over train and eval pairs: each reward model is loaded once
+        helpful_all, harmless_all = reward_scores(cfg, train_raw + eval_raw, env, device)
+        for data, raw, first in ((train, train_raw, 0), (evals, eval_raw, len(train_raw))):
             if not raw:
                 continue
-            helpful, harmless = reward_scores(cfg, raw, env, device)
+            helpful, harmless = (x[first : first + len(raw)] for x in (helpful_all, harmless_all))
             if cfg.dpo.safe_mm.variant == "lagrangian":
                 data.helpful, data.harmless = helpful, harmless
             else:
