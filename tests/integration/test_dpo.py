@@ -251,7 +251,7 @@ def test_safe_mm_margins_equal_the_reward_models_scored_independently(
     cfg = dpo_config(tiny_model_dir, tmp_path, "margins", *safe_mm_overrides(reward_model_dirs))
     pairs = load_preferences("synthetic", "train", task="mixed", num_examples=12, seed=3)
     assert {p.chosen_is_safer for p in pairs} == {True, False, None}  # refusals, needless refusals, maths
-    margins = margins_of(cfg, pairs, *reward_scores(cfg, pairs, DistEnv(), torch.device("cpu")))
+    margins = margins_of(cfg, pairs, *reward_scores(cfg, [pairs], DistEnv(), torch.device("cpu"))[0])
     expected = independent_margins(pairs, *reward_model_dirs, **SAFE_MM_WEIGHTS)
     torch.testing.assert_close(margins, expected, rtol=0, atol=1e-5)
     assert expected.abs().max() > 0.1  # the score heads are not trivially zero

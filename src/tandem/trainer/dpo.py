@@ -178,12 +178,11 @@ def prepare(cfg: Config, engine, tokenizer, env: DistEnv, device: torch.device):
     if cfg.dpo.safe_mm.enabled:
         if cfg.dpo.safe_mm.variant == "lagrangian" and env.is_main:
             warn_if_not_a_cost_model(cfg.dpo.safe_mm.harmless_model)
-        # one pass over train and eval pairs: each reward model is loaded once
-        helpful_all, harmless_all = reward_scores(cfg, train_raw + eval_raw, env, device)
-        for data, raw, first in ((train, train_raw, 0), (evals, eval_raw, len(train_raw))):
+        # each reward model is loaded once and scores the train and the eval pairs
+        scored = reward_scores(cfg, [train_raw, eval_raw], env, device)
+        for data, raw, (helpful, harmless) in zip((train, evals), (train_raw, eval_raw), scored):
             if not raw:
                 continue
-            helpful, harmless = (x[first : first + len(raw)] for x in (helpful_all, harmless_all))
             if cfg.dpo.safe_mm.variant == "lagrangian":
                 data.helpful, data.harmless = helpful, harmless
             else:
@@ -327,18 +326,16 @@ def precompute_ref_logps(
 
 
 def reward_scores(
-    cfg: Config, pairs: list[PreferencePair], env: DistEnv, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(helpful, harmless) scores [N, 2] (chosen, rejected) of every pair; a model that is not set
-    scores 0. Each frozen reward model is loaded in eval mode, scores every chosen and rejected
-    answer once (rank r: pairs r, r + W, ...; the rank sum in float64 fills in the rest, the same on
-    every rank), and is freed before the next."""
+    cfg: Config, sets: list[list[PreferencePair]], env: DistEnv, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For each set of pairs, (helpful, harmless) scores [N, 2] (chosen, rejected) of every pair; a
+    model that is not set scores 0. Each frozen reward model is loaded once, in eval mode, scores
+    every chosen and rejected answer of each set (rank r: pairs r, r + W, ...; the rank sum in
+    float64 fills in the rest, the same on every rank), and is freed before the next."""
     sm = cfg.dpo.safe_mm
-    num = len(pairs)
-    mine = list(range(env.rank, num, env.world_size))
-    scores = {}
+    scores: dict[str, list[torch.Tensor]] = {}
     for name, path in (("helpful", sm.helpful_model), ("harmless", sm.harmless_model)):
-        local = torch.zeros(num, 2, dtype=torch.float64)
+        scorer = None
         if path is not None:
             scorer = RewardScorer(
                 path,
@@ -347,15 +344,21 @@ def reward_scores(
                 batch_size=2 * cfg.training.micro_batch_size,
                 max_length=cfg.dpo.max_length,
             )
-            prompts = [pairs[i].prompt for i in mine for _ in range(2)]
-            answers = [a for i in mine for a in (pairs[i].chosen, pairs[i].rejected)]
-            local[mine] = scorer.score(prompts, answers).double().view(-1, 2)
-            del scorer
-            gc.collect()
-        scores[name] = torch.tensor(all_reduce_sum(env, local.flatten().tolist()), dtype=torch.float32).view(
-            -1, 2
-        )
-    return scores["helpful"], scores["harmless"]
+        scores[name] = [_set_scores(scorer, pairs, env) for pairs in sets]
+        del scorer
+        gc.collect()
+    return list(zip(scores["helpful"], scores["harmless"]))
+
+
+def _set_scores(scorer: RewardScorer | None, pairs: list[PreferencePair], env: DistEnv) -> torch.Tensor:
+    num = len(pairs)
+    mine = list(range(env.rank, num, env.world_size))
+    local = torch.zeros(num, 2, dtype=torch.float64)
+    if scorer is not None and mine:
+        prompts = [pairs[i].prompt for i in mine for _ in range(2)]
+        answers = [a for i in mine for a in (pairs[i].chosen, pairs[i].rejected)]
+        local[mine] = scorer.score(prompts, answers).double().view(-1, 2)
+    return torch.tensor(all_reduce_sum(env, local.flatten().tolist()), dtype=torch.float32).view(-1, 2)
 
 
 def margins_of(
