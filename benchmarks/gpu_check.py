@@ -22,21 +22,25 @@ tiny model); its results say so and prove nothing about GPUs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import queue
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_check.json"
 CONFIG = "configs/grpo_tiny.yaml"
-RUN_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 300  # per check (--timeout)
 
 
 @dataclass
@@ -80,7 +84,7 @@ def plan(device: str, model: str | None) -> list[Check]:
         Check(
             "gpu-tests",
             "the gpu-marked tests (tests/gpu and every test marked gpu)",
-            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests"],
+            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", *gpu_test_files()],
             kind="tests",
         )
     ]
@@ -161,25 +165,53 @@ def plan(device: str, model: str | None) -> list[Check]:
     return checks
 
 
-def run_check(check: Check, workdir: Path, env: dict) -> None:
+def gpu_test_files() -> list[str]:
+    """tests/gpu and every other test file that marks a test `gpu`: collecting only these keeps a
+    GPU image without the suite's optional packages (datasets, trl, vllm) out of the way."""
+    files = {"tests/gpu"}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        text = path.read_text(errors="replace")
+        if "mark.gpu" in text and not path.is_relative_to(ROOT / "tests" / "gpu"):
+            files.add(str(path.relative_to(ROOT)))
+    return sorted(files)
+
+
+def with_ports(check: Check, slot: int) -> list[str]:
+    """Checks that run side by side (--jobs) each get their own pipeline and rendezvous ports."""
+    if check.kind != "run" or slot == 0:
+        return check.argv
+    base = 30000 + 10 * slot
+    argv = [*check.argv, f"pipeline.data_port={base}", f"pipeline.sync_port={base + 1}"]
+    if argv[0] == "launch":
+        argv[1:1] = ["--master-port", str(base + 2)]
+    return argv
+
+
+def run_check(check: Check, workdir: Path, env: dict, timeout_s: float, slot: int = 0) -> None:
     start = time.perf_counter()
     if check.kind == "tests":
         argv = check.argv
     else:
-        argv = [str(Path(sys.executable).parent / "tandem"), *check.argv]
+        argv = [sys.executable, "-m", "tandem", *with_ports(check, slot)]  # no console script needed
         if check.kind == "run":
             argv += [f"output_dir={workdir}", f"experiment_name={check.name}"]
         else:
             argv += ["--output", str(workdir / f"{check.name}.json")]
     log_path = workdir / f"{check.name}.log"
-    try:
-        with open(log_path, "w") as log:
-            proc = subprocess.run(
-                argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S
-            )
-        status = proc.returncode
-    except subprocess.TimeoutExpired:
-        status = "timeout"
+    with open(log_path, "w") as log:
+        # its own process group: a check that overruns is stopped with everything it started
+        # (a launch's sampler and trainer ranks), not only its first process
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            status = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     check.result = {"seconds": round(time.perf_counter() - start, 1), "exit": status, "passed": status == 0}
     if check.kind == "run":
         check.result.update(run_figures(workdir / check.name))
@@ -282,20 +314,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated check names (default: all)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=f"results file (default: {RESULTS.relative_to(ROOT)})")
+    parser.add_argument("--skip", help="comma-separated check names to leave out")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="checks run side by side (timings then share the GPU)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=RUN_TIMEOUT_S, help="seconds before a check is stopped"
+    )
+    parser.add_argument(
+        "--workdir", help="keep the runs and their logs here (default: a temporary folder, removed)"
+    )
     parser.add_argument("--list", action="store_true", help="print the checks and exit")
     args = parser.parse_args(argv)
 
     checks = plan(args.device, args.model)
-    if args.only:
-        wanted = set(args.only.split(","))
-        unknown = wanted - {c.name for c in checks}
+    names = [c.name for c in checks]
+    for option in ("only", "skip"):
+        unknown = set((getattr(args, option) or "").split(",")) - set(names) - {""}
         if unknown:
-            parser.error(f"unknown check(s) {sorted(unknown)}; choose from {[c.name for c in checks]}")
-        checks = [c for c in checks if c.name in wanted]
+            parser.error(f"--{option}: unknown check(s) {sorted(unknown)}; choose from {names}")
+    if args.only:
+        checks = [c for c in checks if c.name in args.only.split(",")]
+    if args.skip:
+        checks = [c for c in checks if c.name not in args.skip.split(",")]
     if args.list:
         for c in checks:
             print(f"{c.name:<16} {c.what}")
         return 0
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
     if args.device == "cuda":
         import torch
 
@@ -306,28 +353,59 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    # a partial check (--only) never overwrites the committed record of a whole one
+    # a partial check (--only, --skip) never overwrites the committed record of a whole one
     partial = RESULTS.parent / "runs" / f"gpu_check-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out = Path(args.out) if args.out else (partial if args.only else RESULTS)
+    out = Path(args.out) if args.out else (partial if args.only or args.skip else RESULTS)
+    out.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     if args.device == "cpu":
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="tandem-gpu-check-") as tmp:
-        for check in checks:
-            print(f"[gpu-check] {check.name}: {check.what} ...", flush=True)
-            run_check(check, Path(tmp), env)
+    facts = device_facts(args.device)
+
+    def record() -> dict:
+        """The results so far, rewritten after every check: a session stopped midway keeps them."""
+        done = [c for c in checks if c.result]
+        results = {
+            "facts": facts,
+            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "seconds": round(time.perf_counter() - started, 1),
+            "model": args.model or "embedded (SmolLM2-135M-Instruct)",
+            "jobs": args.jobs,  # > 1: the checks' timings were taken side by side on one GPU
+            "checks": {c.name: {"what": c.what, **c.result} for c in done},
+            "not_run": [c.name for c in checks if not c.result],
+            "passed": len(done) == len(checks) and all(c.result["passed"] for c in done),
+        }
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(results, indent=2) + "\n")
+        os.replace(tmp, out)
+        return results
+
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    workdir = contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory()
+    with workdir as tmp:
+        slots = queue.SimpleQueue()  # port sets: no two checks running side by side share one
+        for slot in range(args.jobs):
+            slots.put(slot)
+
+        def one(check: Check) -> None:
+            slot = slots.get()
+            try:
+                print(f"[gpu-check] {check.name}: {check.what} ...", flush=True)
+                run_check(check, Path(tmp), env, args.timeout, slot)
+            finally:
+                slots.put(slot)
             print(f"[gpu-check] {check.name}: {'pass' if check.result['passed'] else 'FAIL'}", flush=True)
-    results = {
-        "facts": device_facts(args.device),
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "seconds": round(time.perf_counter() - started, 1),
-        "model": args.model or "embedded (SmolLM2-135M-Instruct)",
-        "checks": {c.name: {"what": c.what, **c.result} for c in checks},
-        "passed": all(c.result["passed"] for c in checks),
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+            record()
+
+        # the gpu tests first and alone (they measure nothing); then the runs, --jobs at a time
+        for check in checks:
+            if check.kind == "tests":
+                one(check)
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            list(pool.map(one, [c for c in checks if c.kind != "tests"]))
+    results = record()
     print(table(checks))
     print(f"{'all passed' if results['passed'] else 'FAILED'}; results in {out}")
     return 0 if results["passed"] else 1
