@@ -220,8 +220,55 @@ def run_check(check: Check, workdir: Path, env: dict, timeout_s: float, slot: in
     elif check.kind == "eval" and (workdir / f"{check.name}.json").is_file():
         report = json.loads((workdir / f"{check.name}.json").read_text())
         check.result.update(answer_accuracy=report.get("answer_accuracy"), eval_seconds=report.get("seconds"))
+    elif check.kind == "tests":
+        check.result.update(pytest_counts(log_path.read_text(errors="replace")))
     if not check.result["passed"]:
         check.result["log_tail"] = log_path.read_text(errors="replace")[-3000:]
+
+
+def pytest_counts(log: str) -> dict:
+    """{"tests_passed": 17, "tests_skipped": 1, ...} from pytest's closing summary line, and the
+    reasons of the skips (on a GPU machine a skip means a path that was not verified)."""
+    counts = {}
+    lines = log.strip().splitlines()
+    for part in (lines[-1] if lines else "").strip("= ").split(","):
+        words = part.split()
+        if len(words) >= 2 and words[0].isdigit():
+            counts[f"tests_{words[1]}"] = int(words[0])
+    skipped = [line.split("] ", 1)[-1] for line in lines if line.startswith("SKIPPED")]
+    return {**counts, **({"skipped_because": skipped} if skipped else {})}
+
+
+def merge(paths: list[str]) -> dict:
+    """One record from the partial records of several invocations on the same machine (a machine
+    lent by the call, say, where each call holds part of the work): their checks together, each
+    invocation's time and --jobs kept."""
+    records = [json.loads(Path(p).read_text()) for p in paths]
+    names = {r["facts"].get("device_name") for r in records}
+    if len(names) != 1:
+        raise SystemExit(f"--merge: the records come from different devices {sorted(map(str, names))}")
+    checks = {}
+    for record in records:
+        clash = set(checks) & set(record["checks"])
+        if clash:
+            raise SystemExit(f"--merge: checks {sorted(clash)} appear in more than one record")
+        checks.update(record["checks"])
+    return {
+        "facts": records[0]["facts"],
+        "invocations": [
+            {
+                "when": r["when"],
+                "seconds": r["seconds"],
+                "jobs": r.get("jobs", 1),
+                "checks": list(r["checks"]),
+            }
+            for r in records
+        ],
+        "model": records[0]["model"],
+        "checks": checks,
+        "not_run": sorted({n for r in records for n in r.get("not_run", [])} - set(checks)),
+        "passed": all(r["passed"] for r in records),
+    }
 
 
 def run_figures(run_dir: Path) -> dict:
@@ -325,7 +372,16 @@ def main(argv: list[str] | None = None) -> int:
         "--workdir", help="keep the runs and their logs here (default: a temporary folder, removed)"
     )
     parser.add_argument("--list", action="store_true", help="print the checks and exit")
+    parser.add_argument(
+        "--merge", nargs="+", metavar="RECORD", help="join partial records (--only/--skip runs) into --out"
+    )
     args = parser.parse_args(argv)
+    if args.merge:
+        merged = merge(args.merge)
+        out = Path(args.out) if args.out else RESULTS
+        out.write_text(json.dumps(merged, indent=2) + "\n")
+        print(f"{len(merged['checks'])} checks, {'all passed' if merged['passed'] else 'FAILED'}; in {out}")
+        return 0 if merged["passed"] else 1
 
     checks = plan(args.device, args.model)
     names = [c.name for c in checks]

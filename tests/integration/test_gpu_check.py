@@ -68,3 +68,47 @@ def test_zero3_checks_are_fed_by_a_sampler():
         argv = checks[name].argv
         assert argv[0] == "launch" and "training.zero_stage=3" in argv
         assert argv[argv.index("--training-devices") + 1] == "0"
+
+
+def load_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pytest_counts_and_skip_reasons_come_from_the_summary():
+    log = (
+        ".............s....\n"
+        "SKIPPED [1] tests/unit/test_x.py:315: could not import 'flash_attn'\n"
+        "17 passed, 1 skipped, 32 deselected in 19.85s\n"
+    )
+    counts = load_script().pytest_counts(log)
+    assert counts["tests_passed"] == 17 and counts["tests_skipped"] == 1
+    assert counts["skipped_because"] == ["tests/unit/test_x.py:315: could not import 'flash_attn'"]
+    assert load_script().pytest_counts("=== 2 failed, 3 passed in 1.0s ===") == {
+        "tests_failed": 2,
+        "tests_passed": 3,
+    }
+
+
+def test_partial_records_of_one_machine_merge_into_one(tmp_path):
+    def record(name, checks, passed=True, device="NVIDIA H200"):
+        path = tmp_path / name
+        body = {"facts": {"device_name": device}, "when": "t", "seconds": 1.0, "jobs": 1, "model": "m"}
+        path.write_text(json.dumps({**body, "checks": checks, "not_run": [], "passed": passed}))
+        return str(path)
+
+    module = load_script()
+    a = record("a.json", {"gpu-tests": {"passed": True}})
+    b = record("b.json", {"ddp-nccl": {"passed": False}}, passed=False)
+    merged = module.merge([a, b])
+    assert set(merged["checks"]) == {"gpu-tests", "ddp-nccl"} and not merged["passed"]
+    assert [i["checks"] for i in merged["invocations"]] == [["gpu-tests"], ["ddp-nccl"]]
+    with pytest.raises(SystemExit, match="different devices"):
+        module.merge([a, record("c.json", {"x": {"passed": True}}, device="NVIDIA H100")])
+    with pytest.raises(SystemExit, match="more than one record"):
+        module.merge([a, a])
