@@ -14,3 +14,13 @@ def constant(response: str, example) -> float:
 def broken(completions, **kwargs):
     """A reward with a bug (TRL's convention): the first batch stops its sampler with a RewardError."""
     return [len(completion) / 0 for completion in completions]
+
+
+def half_informative(response: str, example) -> float:
+    """About half the prompts (by id) give every completion the same reward, the others the digit
+    count: a mix of groups with and without reward variance, for dynamic sampling."""
+    import zlib
+
+    if zlib.crc32(example.prompt_id.encode()) % 2 == 0:
+        return 1.0
+    return digit_count(response, example)

@@ -342,6 +342,12 @@ class GRPOConfig:
     # (Yao et al. 2025); needs old_logprobs=trainer
     importance_correction: bool = False
     importance_cap: float = 2.0
+    # DAPO's dynamic sampling (Yu et al. 2025): a group whose rewards all agree (no learning signal)
+    # is not sent; its sampler makes a group of a fresh prompt instead, so every batch holds
+    # prompts_per_step groups with reward variance. At most dynamic_sampling_max_extra_prompts such
+    # extra prompts per batch (null: 3 x prompts_per_step); past the cap, groups are sent as they come.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_extra_prompts: int | None = None
 
     def check(self, key: str = "grpo") -> None:
         _check(
@@ -354,6 +360,10 @@ class GRPOConfig:
             num_iterations=_at_least(1),
             adv_eps=_at_least(0),
             importance_cap=_at_least(1),
+            dynamic_sampling_max_extra_prompts=(
+                lambda v: v is None or v >= 1,
+                ">= 1 (null: 3 x prompts_per_step; dynamic_sampling: false turns it off)",
+            ),
         )
         if self.importance_correction and self.old_logprobs == "sampler":
             raise ConfigError(
@@ -794,6 +804,11 @@ class Config:
             )
         if self.method == "ppo":
             _check_ppo_prompts(self)
+        if self.grpo.dynamic_sampling and self.method != "grpo":
+            raise ConfigError(
+                f"`grpo.dynamic_sampling` is true for method {self.method}; it keeps groups whose G "
+                "completions' rewards differ, which only GRPO uses: set it to false"
+            )
         if self.sampling.backend == "vllm" and self.pipeline.mode != "decoupled":
             raise ConfigError(
                 "`sampling.backend` is vllm with pipeline.mode=colocated; the vLLM engine runs in the "

@@ -77,6 +77,9 @@ class Group:
     # the sampler's seconds spent on this group: its equal share of its generation batch's
     # `generate`, `reference` and `reward` time (a trainer sums them over the groups of a step)
     timings: dict[str, float] = field(default_factory=dict)
+    # dynamic sampling (grpo.dynamic_sampling): the groups its sampler made and did not send (zero
+    # reward variance) since its previous sent group, {"groups": n, "tokens": generated tokens}
+    filtered: dict[str, int] = field(default_factory=dict)
 
     @property
     def rewards(self) -> list[float]:

@@ -194,3 +194,42 @@ def test_a_step_with_nothing_to_learn_from_is_skipped_not_stepped(tiny_model_dir
     assert rows[0]["lr"] == rows[1]["lr"] == 1e-3 / 4  # the warmup did not move: no update was made
     before, after = weights(tiny_model_dir), weights(final)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_dynamic_sampling_trains_only_on_groups_with_reward_variance(tiny_model_dir, tmp_path):
+    """grpo.dynamic_sampling, colocated: flat groups are replaced by groups of fresh prompts, each
+    batch still holds prompts_per_step groups, and the rows count what was dropped; resumed, the
+    run continues exactly as an uninterrupted one (the filter's state is checkpointed)."""
+    overrides = [
+        "rewards=[{type: function, function: 'tiny_rewards:half_informative'}]",
+        "grpo.dynamic_sampling=true",
+        "grpo.dynamic_sampling_max_extra_prompts=40",
+        "training.max_steps=4",
+        "training.save_steps=2",
+    ]
+    train_grpo(tiny_config(tiny_model_dir, tmp_path, "dynamic", *overrides))
+    rows = [json.loads(line) for line in (tmp_path / "dynamic" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["zero_variance_groups"] == 0 for r in rows)
+    assert sum(r["groups_filtered"] for r in rows) > 0  # about half the prompts give flat groups
+    for r in rows:
+        assert r["groups_generated"] == 2 + r["groups_filtered"]  # prompts_per_step kept
+        assert (r["generation_overhead"] > 0) == (r["groups_filtered"] > 0)
+
+    shutil.copytree(tmp_path / "dynamic", tmp_path / "dynamic_resumed")
+    resumed = tmp_path / "dynamic_resumed"
+    shutil.rmtree(resumed / "checkpoints" / "step-4")
+    (resumed / "metrics.jsonl").write_text(
+        "".join(line + "\n" for line in (tmp_path / "dynamic" / "metrics.jsonl").read_text().splitlines()[:2])
+    )
+    cfg = tiny_config(
+        tiny_model_dir,
+        tmp_path,
+        "dynamic_resumed",
+        *overrides,
+        "training.resume_from_checkpoint=latest",
+    )
+    train_grpo(cfg)
+    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    for field in ("groups_filtered", "groups_generated", "reward_mean", "loss"):
+        assert [r[field] for r in again[2:]] == [r[field] for r in rows[2:]], field

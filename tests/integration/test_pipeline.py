@@ -519,3 +519,37 @@ def test_a_reward_function_that_raises_stops_the_run_loudly(make_run):
     text = run.log("grpo")
     assert "sampler s0 exited with code 4; stopping the other processes" in text and message in text
     assert "starting it again" not in text
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_dynamic_sampling_with_two_samplers_sends_informative_groups_and_paces(make_run, max_staleness):
+    """grpo.dynamic_sampling with num_samplers=2: each sampler drops the flat groups it makes and
+    replaces them, pacing counts only the groups sent (strictly on-policy too, where a sampler never
+    makes a surplus), and trainer and samplers agree on the counts."""
+    run = make_run(
+        f"dynamic2_{max_staleness}",
+        "pipeline.num_samplers=2",
+        f"pipeline.max_staleness={max_staleness}",
+        "rewards=[{type: function, function: 'tiny_rewards:half_informative'}]",
+        "grpo.dynamic_sampling=true",
+        "grpo.dynamic_sampling_max_extra_prompts=40",
+        "training.max_steps=4",
+    )
+    samplers = ready_samplers(run, "s0", "s1")
+    finish(run, run.trainer(), samplers)
+    rows = run.rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["zero_variance_groups"] == 0 for r in rows)
+    assert all(r["staleness_mean"] <= max_staleness for r in rows)
+    sent = {sid: sum(r["groups"] for r in run.sampler_rows(sid)) for sid in ("s0", "s1")}
+    for sid in ("s0", "s1"):
+        srows = run.sampler_rows(sid)
+        assert all(r["groups_generated"] == r["groups"] + r["groups_filtered"] for r in srows)
+        # groups a sampler made for the trainer's last batches may still be queued when it finishes
+        assert 0 < rows[-1][f"groups_from_{sid}"] <= sent[sid]
+    dropped = sum(r["groups_dropped_stale"] + r["groups_dropped_future"] for r in rows)
+    received = rows[-1]["groups_from_s0"] + rows[-1]["groups_from_s1"]
+    assert received == 4 * 2 + dropped  # every group received trained on or counted as dropped
+    filtered_by_samplers = sum(r["groups_filtered"] for sid in ("s0", "s1") for r in run.sampler_rows(sid))
+    # the trainer's count is what the groups it took carry: at most what the samplers dropped
+    assert 0 < sum(r["groups_filtered"] for r in rows) <= filtered_by_samplers

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import statistics
@@ -47,6 +48,7 @@ from tandem.distributed.runtime import gpu_memory, resolve_device, set_seed, set
 from tandem.models.loading import load_tokenizer
 from tandem.models.lora import adapter_parameters, is_lora
 from tandem.rewards.calling import RewardError
+from tandem.sampler.dynamic import GroupFilter, max_extra_prompts
 from tandem.sampler.evaluation import Evaluator
 from tandem.sampler.rollout import build_rollout
 from tandem.transport.channel import GroupSender
@@ -91,9 +93,18 @@ class Sampler:
         self.log_dir = cfg.run_dir / "samplers"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.log_dir / f"{sampler_id}.state.json"
-        if self.state_path.is_file():
-            self.stream.load_state_dict(json.loads(self.state_path.read_text())["data"])
         self.share = batch_share(cfg.prompts_per_step, p.num_samplers)  # Q above
+        # grpo.dynamic_sampling: zero-variance groups are replaced before they are sent (dynamic.py)
+        self.filter = (
+            GroupFilter(self.share, max_extra_prompts(cfg, p.num_samplers))
+            if cfg.grpo.dynamic_sampling
+            else None
+        )
+        if self.state_path.is_file():
+            state = json.loads(self.state_path.read_text())
+            self.stream.load_state_dict(state["data"])
+            if self.filter is not None and "filter" in state:
+                self.filter.load_state_dict(state["filter"])
 
         self.context = zmq.Context()
         self.data_address = f"tcp://{p.trainer_host}:{p.data_port}"
@@ -251,6 +262,20 @@ class Sampler:
         )
         return allowed - self.made
 
+    def prompts_to_make(self) -> int:
+        """Prompts of the next generation batch: this sampler's remaining quota, at most a batch.
+
+        With dynamic sampling some groups will be dropped, so it makes quota / (kept fraction so far)
+        prompts, still at most a batch: a surplus counts towards its next share (pacing holds it
+        back meanwhile). Not with max_staleness 0, where a surplus group could only arrive stale."""
+        n, remaining = self.batch_prompts, self.remaining()
+        if remaining <= 0:  # at or past the quota only when the trainer is starved
+            return n
+        if self.filter is not None and self.cfg.pipeline.max_staleness > 0 and self.filter.generated_total:
+            kept = 1 - self.filter.filtered_total / self.filter.generated_total
+            remaining = math.ceil(remaining / max(kept, 0.25))
+        return min(n, remaining)
+
     # ------------------------------------------------------------------ main loop
 
     def send(self, group) -> bool:
@@ -289,14 +314,13 @@ class Sampler:
                     if time_weights is None or self.remaining() <= 0:
                         continue  # the fetch failed, or nothing to make yet: ask again
                 time_wait = time.perf_counter() - wait_start - time_weights
-                n = self.batch_prompts
-                if self.remaining() > 0:  # (at or past it only when the trainer is starved)
-                    n = min(n, self.remaining())
+                n = self.prompts_to_make()
                 try:
-                    groups = self.rollout.run(self.stream.next_batch(n), policy_version=self.version)
+                    made = self.rollout.run(self.stream.next_batch(n), policy_version=self.version)
                 except RewardError as err:  # the user's reward code: loud, with its traceback, then stop
                     log.error("sampler %s: stopping: %s", self.sampler_id, err, exc_info=err)
                     raise
+                groups = made if self.filter is None else self.filter.admit(made)
                 self.made += len(groups)
                 send_start = time.perf_counter()
                 finished = False
@@ -305,11 +329,15 @@ class Sampler:
                         finished = True
                         break
                     self.sent += 1
-                atomic_write_text(
-                    self.state_path, json.dumps({"data": self.stream.state_dict()}), fsync=False
-                )
+                state = {"data": self.stream.state_dict()}
+                if self.filter is not None:
+                    state["filter"] = self.filter.state_dict()
+                atomic_write_text(self.state_path, json.dumps(state), fsync=False)
                 batches += 1
-                record.write(json.dumps(self._row(groups, time_wait, time_weights, send_start)) + "\n")
+                row = self._row(groups, time_wait, time_weights, send_start)
+                if self.filter is not None:
+                    row.update(groups_generated=len(made), groups_filtered=len(made) - len(groups))
+                record.write(json.dumps(row) + "\n")
                 record.flush()
                 if finished:
                     break

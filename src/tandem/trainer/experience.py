@@ -23,8 +23,9 @@ from tandem.atomic import atomic_write_text
 from tandem.config import Config
 from tandem.data.stream import PromptStream
 from tandem.models.lora import sync_tensors
+from tandem.sampler.dynamic import GroupFilter, filtered_fields
 from tandem.sampler.evaluation import Evaluator, row_fields
-from tandem.sampler.rollout import Rollout
+from tandem.sampler.rollout import Rollout, RolloutTimings
 from tandem.transport.admission import GroupLimits
 from tandem.transport.pacing import age, announce, drop_reason, publishes_at, version_base
 from tandem.types import GROUP_TIMINGS, Group
@@ -46,9 +47,11 @@ class LocalExperience:
         stream: PromptStream,
         policy: torch.nn.Module,
         evaluator: Evaluator | None = None,
+        group_filter: GroupFilter | None = None,
     ) -> None:
         self.rollout, self.stream, self.policy = rollout, stream, policy
         self.evaluator = evaluator  # eval.steps > 0: held-out evaluations between steps
+        self.filter = group_filter  # grpo.dynamic_sampling (sampler/dynamic.py)
         self.pending_evals: list[tuple[int, dict]] = []
         self.version = 0
         self._stale_copy = False
@@ -59,17 +62,43 @@ class LocalExperience:
         if self._stale_copy:
             copy_weights(self.policy, self.rollout.policy)
             self._stale_copy = False
-        groups = self.rollout.run(self.stream.next_batch(), policy_version=self.version)
-        t = self.rollout.timings
+        if self.filter is None:
+            groups = self.rollout.run(self.stream.next_batch(), policy_version=self.version)
+            times, tokens = self.rollout.timings, None
+        else:
+            groups, times, tokens = self._informative_groups(num_groups)
         lengths = sum(len(c.generated_token_ids) for g in groups for c in g.completions)
-        return groups, {
-            "time_generate": t.generate,
-            "time_reference": t.reference,
-            "time_reward": t.reward,
-            "generate_tokens_per_second": lengths / max(t.generate, 1e-9),
+        stats = {
+            "time_generate": times.generate,
+            "time_reference": times.reference,
+            "time_reward": times.reward,
+            "generate_tokens_per_second": (tokens or lengths) / max(times.generate, 1e-9),
             "wait_seconds": 0.0,
             "groups_dropped_stale": 0,
         }
+        if self.filter is not None:
+            stats.update(filtered_fields(groups))
+        return groups, stats
+
+    def _informative_groups(self, num_groups: int) -> tuple[list[Group], RolloutTimings, int]:
+        """Dynamic sampling: generate the batch's missing groups from fresh prompts until
+        `num_groups` are kept (the filter keeps every group once its cap is spent); the time and
+        generated tokens of every round, dropped groups included."""
+        groups: list[Group] = []
+        times, tokens = RolloutTimings(), 0
+        while len(groups) < num_groups:
+            made = self.rollout.run(
+                self.stream.next_batch(num_groups - len(groups)), policy_version=self.version
+            )
+            t = self.rollout.timings
+            times.generate, times.reference, times.reward = (
+                times.generate + t.generate,
+                times.reference + t.reference,
+                times.reward + t.reward,
+            )
+            tokens += sum(len(c.generated_token_ids) for g in made for c in g.completions)
+            groups += self.filter.admit(made)
+        return groups, times, tokens
 
     def expect(self, step: int, steps: int, steps_per_batch: int) -> None:
         pass  # no sampler to pace
@@ -102,14 +131,19 @@ class LocalExperience:
             self.pending_evals.append((0, self.evaluate()))
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "data": self.stream.state_dict(),
             "policy_version": self.version,
             "stale_copy": self._stale_copy,
         }
+        if self.filter is not None:
+            state["filter"] = self.filter.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["data"])
+        if self.filter is not None and "filter" in state:
+            self.filter.load_state_dict(state["filter"])
         self.version = int(state.get("policy_version", 0))
         self._stale_copy = bool(state.get("stale_copy", False))
         copy_weights(self.policy, self.rollout.policy)
@@ -306,6 +340,7 @@ class RemoteExperience:
                 if any(name in g.timings for g in groups)
             },
             "wait_seconds": waited,
+            **(filtered_fields(groups) if self.cfg.grpo.dynamic_sampling else {}),
             "groups_dropped_stale": dropped["stale"],
             "groups_dropped_future": dropped["future"],
             "groups_dropped_discarded": dropped["discarded"],

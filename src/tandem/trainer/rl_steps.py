@@ -26,6 +26,7 @@ from tandem.data.stream import prompt_stream
 from tandem.distributed.batches import pad_micro_batches
 from tandem.distributed.env import DistEnv, broadcast_after_waits, keep_alive, scatter_tensor_dicts
 from tandem.distributed.runtime import peak_rss_gb
+from tandem.sampler.dynamic import GroupFilter, max_extra_prompts
 from tandem.sampler.evaluation import Evaluator
 from tandem.sampler.rollout import build_rollout
 from tandem.trainer import run
@@ -215,7 +216,11 @@ def local_experience(cfg: Config, policy, tokenizer, generator, device) -> Local
     stream = prompt_stream(cfg.data, cfg.prompts_per_step, seed=cfg.seed, stream_seed=cfg.seed)
     rollout = build_rollout(cfg, policy, tokenizer, generator, device)
     evaluator = Evaluator(cfg, rollout) if cfg.eval.steps > 0 else None
-    return LocalExperience(rollout, stream, policy, evaluator)
+    # grpo.dynamic_sampling: the whole batch is this process's share
+    group_filter = (
+        GroupFilter(cfg.prompts_per_step, max_extra_prompts(cfg)) if cfg.grpo.dynamic_sampling else None
+    )
+    return LocalExperience(rollout, stream, policy, evaluator, group_filter)
 
 
 def publish(experience, engine, cfg: Config, step: int, groups: list[Group]) -> dict:

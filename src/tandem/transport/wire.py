@@ -70,8 +70,11 @@ _GROUP_KEYS = frozenset(
     | {"policy_version", "sampler_id", "created_at", "metadata", "completions"}
 )
 # keys added later, which a group may leave out: a sender that predates them still decodes (and
-# a reader that predates them refuses the group naming the key). `timings`: the sampler's seconds.
-_GROUP_OPTIONAL_KEYS = frozenset({"timings"})
+# a reader that predates them refuses the group naming the key). `timings`: the sampler's seconds;
+# `filtered`: dynamic sampling's count of groups made and not sent before this one (Group.filtered).
+_GROUP_OPTIONAL_KEYS = frozenset({"timings", "filtered"})
+FILTERED_NAMES = frozenset({"groups", "tokens"})
+_FILTERED_MAX = 2**40  # far above any count a sampler reaches; keeps the JSON integers sane
 TIMING_NAMES = frozenset(GROUP_TIMINGS)
 _COMPLETION_KEYS = frozenset(
     {"text", "is_finished", "reward", "reward_info", "advantage", "generated_token_ids"}
@@ -139,6 +142,8 @@ def encode_group(group: Group) -> list[bytes | memoryview]:
         "timings": _timings(group.timings),
         "completions": [],
     }
+    if group.filtered:  # left out when empty: a group without dynamic sampling is as before
+        header["filtered"] = _filtered(group.filtered)
     for i, c in enumerate(group.completions):
         where = f"completions[{i}]"
         token_ids = _pack_token_ids(c.generated_token_ids, f"{where}.generated_token_ids")
@@ -259,6 +264,7 @@ def decode_group(frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES) -
         metadata=metadata,
         prefix_tokens=_str_list(header["prefix_tokens"], "prefix_tokens"),
         timings=_timings(header.get("timings", {})),
+        filtered=_filtered(header.get("filtered", {})),
     )
 
 
@@ -427,6 +433,21 @@ def _timings(timings: Any) -> dict[str, float]:
         if value < 0:
             raise WireError(f"timings.{name} is negative ({value})")
         out[name] = value
+    return out
+
+
+def _filtered(filtered: Any) -> dict[str, int]:
+    """Dynamic sampling's counts: at most groups/tokens, each an int in [0, 2**40]."""
+    if not isinstance(filtered, dict):
+        raise WireError(f"filtered must be an object, got {_type(filtered)}")
+    unknown = filtered.keys() - FILTERED_NAMES
+    if unknown:
+        raise WireError(f"filtered has unexpected key(s) {_short(sorted(map(str, unknown))[:10])}")
+    out = {}
+    for name, count in filtered.items():
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= _FILTERED_MAX:
+            raise WireError(f"filtered.{name} must be an int in [0, 2**40], got {_short(count)}")
+        out[name] = count
     return out
 
 
