@@ -70,16 +70,22 @@ def run_variant(name: str, overrides: list[str], out_dir: Path, steps: int) -> d
         cwd=ROOT,
         check=True,
     )
+    return {"overrides": overrides, "wall_seconds": round(wall, 1), **summarize(run_dir, report, steps)}
+
+
+def summarize(run_dir: Path, report: Path, steps: int) -> dict:
+    """A finished variant's figures, from its run folder and its `tandem eval` report."""
     held_out = json.loads(report.read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "step" in r]
     tenth = max(1, steps // 6)
+    step_seconds = [r["step_seconds"] for r in rows[1:] if isinstance(r.get("step_seconds"), int | float)]
     return {
-        "overrides": overrides,
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(report.stat().st_mtime)),
         "steps": len(rows),
-        "wall_seconds": round(wall, 1),
         "step_seconds_mean": window_mean(rows, "step_seconds", 2, steps),
+        # the median resists the minutes when another job shared the machine
+        "step_seconds_median": round(statistics.median(step_seconds), 2) if step_seconds else None,
         "tokens_generated": sum(r.get("tokens_generated", 0) for r in rows),
         "groups_filtered": sum(r.get("groups_filtered", 0) or 0 for r in rows),
         "zero_variance_groups": sum(r.get("zero_variance_groups", 0) or 0 for r in rows),
@@ -99,6 +105,9 @@ def main() -> int:
     )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--runs-dir", default="runs/variants", help="where the runs go")
+    parser.add_argument(
+        "--summarize", action="store_true", help="recompute the entries from finished runs, run nothing"
+    )
     add_out_arguments(parser, "grpo_variants")
     args = parser.parse_args()
     names = args.variants.split(",")
@@ -109,7 +118,13 @@ def main() -> int:
     results = json.loads(out.read_text()) if out.is_file() else {"config": CONFIG, "variants": {}}
     for name in names:
         print(f"[grpo_variants] {name}: {' '.join(VARIANTS[name]) or '(the config as it is)'}", flush=True)
-        results["variants"][name] = run_variant(name, VARIANTS[name], ROOT / args.runs_dir, args.steps)
+        runs = ROOT / args.runs_dir
+        if args.summarize:
+            entry = results["variants"].get(name, {"overrides": VARIANTS[name]})
+            entry.update(summarize(runs / f"variant_{name}", runs / f"variant_{name}_eval.json", args.steps))
+            results["variants"][name] = entry
+        else:
+            results["variants"][name] = run_variant(name, VARIANTS[name], runs, args.steps)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2) + "\n")  # after each variant: a long sitting keeps it
         print(json.dumps(results["variants"][name]), flush=True)
