@@ -387,6 +387,13 @@ class GRPOConfig:
     # (Yao et al. 2025); needs old_logprobs=trainer
     importance_correction: bool = False
     importance_cap: float = 2.0
+    # GSPO (Zheng et al. 2025): sequence = one importance ratio per completion, the geometric mean of its
+    # token ratios, clipped as a whole (clip fractions then count sequences). The paper clips it far
+    # tighter than token-level GRPO: clip_eps_low=3e-4, clip_eps_high=4e-4 (set them; the defaults stay 0.2)
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    # DAPO's overlong filtering (Yu et al. 2025): completions cut at sampling.max_new_tokens (no EOS) leave
+    # the loss and its normalisers; their rewards still count in their group's advantages
+    mask_truncated_completions: bool = False
 
     def check(self, key: str = "grpo") -> None:
         _check(
@@ -839,6 +846,7 @@ class Config:
             )
         if self.method == "ppo":
             _check_ppo_prompts(self)
+            _check_grpo_only(self)
         if self.sampling.backend == "vllm" and self.pipeline.mode != "decoupled":
             raise ConfigError(
                 "`sampling.backend` is vllm with pipeline.mode=colocated; the vLLM engine runs in the "
@@ -878,6 +886,17 @@ def _check_ppo_prompts(cfg: Config) -> None:
             "ppo.prompts_per_step (grpo.prompts_per_step is its older name): drop grpo.prompts_per_step "
             "or set both to the same number"
         )
+
+
+def _check_grpo_only(cfg: Config) -> None:
+    """GRPO's loss variants that PPO's loss does not have: refused rather than ignored."""
+    for name, default in (("importance_sampling_level", "token"), ("mask_truncated_completions", False)):
+        value = getattr(cfg.grpo, name)
+        if value != default:
+            raise ConfigError(
+                f"`grpo.{name}` is {value!r} but `tandem ppo` trains with PPO's own loss, which does not "
+                f"read it; drop it (or set it to {default!r}), or run `tandem grpo`"
+            )
 
 
 def validate(cfg: Config) -> None:
