@@ -39,7 +39,7 @@ from tandem.trainer.batching import (
     split_micro_batches,
 )
 from tandem.trainer.experience import LocalExperience, RemoteExperience
-from tandem.trainer.metrics import MetricsLogger, write_samples
+from tandem.trainer.metrics import MetricsLogger, trl_aliases, write_samples
 from tandem.transport.pacing import publishes_at
 from tandem.types import Group
 
@@ -244,8 +244,15 @@ class StepRecord:
         self, cfg: Config, env: DistEnv, step: int, *, desc: str, postfix, save: Callable[[int], None]
     ):
         self.cfg, self.env, self.tc, self.postfix, self.save = cfg, env, cfg.training, postfix, save
+        reward_names = [spec.resolved_name for spec in cfg.rewards]
         self.logger = (
-            MetricsLogger(cfg.run_dir, self.tc.report_to, resume_step=step, config=config_to_dict(cfg))
+            MetricsLogger(
+                cfg.run_dir,
+                self.tc.report_to,
+                resume_step=step,
+                config=config_to_dict(cfg),
+                aliases=lambda row: trl_aliases(row, reward_names),  # TensorBoard/W&B dashboards of TRL
+            )
             if env.is_main
             else None
         )
