@@ -33,6 +33,7 @@ __all__ = [
     "GRPOConfig",
     "LoraSpec",
     "ModelConfig",
+    "OVERLONG_KWARGS",
     "PPOConfig",
     "PipelineConfig",
     "RewardModelConfig",
@@ -48,6 +49,7 @@ __all__ = [
     "config_to_dict",
     "dump_config",
     "load_config",
+    "overlong_lengths",
     "validate",
     "validate_batch",
 ]
@@ -62,7 +64,7 @@ DEFAULT_SYSTEM_PROMPT = (
 # `typing.get_args(Method)` gives the tuple.
 Method = Literal["grpo", "sft", "rm", "dpo", "ppo"]
 Dtype = Literal["float32", "bfloat16", "float16"]
-RewardType = Literal["answer", "format", "format_partial", "function", "model"]
+RewardType = Literal["answer", "format", "format_partial", "overlong", "function", "model"]
 PreferenceTask = Literal["helpful", "harmless"]
 DistributedStrategy = Literal["none", "ddp", "deepspeed", "auto"]
 DistBackend = Literal["auto", "nccl", "gloo"]
@@ -200,7 +202,9 @@ class RewardSpec:
     path: str | None = None  # type model: a reward model folder written by `tandem rm` (its final/)
     name: str | None = None  # key in reward_info; default = type (or the function's name)
     # type function: `function` names a factory (or class), called once with these keyword arguments to
-    # build the reward function, e.g. trl.rewards:get_soft_overlong_punishment; {} calls it with none
+    # build the reward function, e.g. trl.rewards:get_soft_overlong_punishment; {} calls it with none.
+    # type overlong (DAPO's soft overlong punishment, rewards/length.py): {cache: L_cache} and
+    # optionally {max_length: L_max} (default sampling.max_new_tokens)
     kwargs: dict[str, Any] | None = None
 
     @property
@@ -227,10 +231,10 @@ class RewardSpec:
             raise ConfigError(
                 f"`{key}.function` is set but `{key}.type` is {self.type!r}; set type: function"
             )
-        if self.kwargs is not None and self.type != "function":
+        if self.kwargs is not None and self.type not in ("function", "overlong"):
             raise ConfigError(
                 f"`{key}.kwargs` is set but `{key}.type` is {self.type!r}; kwargs build a reward "
-                "function from a factory (type: function)"
+                "function from a factory (type: function) or set the overlong reward's lengths"
             )
         if self.kwargs is not None and not all(isinstance(k, str) and k.isidentifier() for k in self.kwargs):
             raise ConfigError(
@@ -243,14 +247,55 @@ class RewardSpec:
             raise ConfigError(f"`{key}.path` is set but `{key}.type` is {self.type!r}; set type: model")
 
 
-def check_rewards(rewards: Sequence[RewardSpec]) -> None:
-    """Every spec's rules, at least one spec, and distinct names (the keys of reward_info)."""
+OVERLONG_KWARGS = ("max_length", "cache")
+
+
+def overlong_lengths(
+    spec: RewardSpec, max_new_tokens: int | None, key: str = "rewards[0]"
+) -> tuple[int, int]:
+    """(max_length, cache) of a `type: overlong` spec: its kwargs, max_length defaulting to
+    `max_new_tokens` (sampling.max_new_tokens); ConfigError naming the key when one is missing or
+    out of range (cache in 1..max_length)."""
+    kwargs = spec.kwargs or {}
+    unknown = sorted(set(kwargs) - set(OVERLONG_KWARGS))
+    if unknown:
+        raise ConfigError(
+            f"`{key}.kwargs` has {unknown}; type overlong takes {list(OVERLONG_KWARGS)}, e.g. "
+            "kwargs: {max_length: 128, cache: 32}"
+        )
+    max_length = kwargs.get("max_length", max_new_tokens)
+    if max_length is None:
+        raise ConfigError(
+            f"`{key}.kwargs.max_length` is unset and no sampling.max_new_tokens is known; set it (L_max)"
+        )
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ConfigError(f"`{key}.kwargs.max_length` is {max_length!r}; it must be an integer >= 1 (L_max)")
+    cache = kwargs.get("cache")
+    if cache is None:
+        raise ConfigError(
+            f"`{key}.kwargs.cache` is unset; type overlong needs the soft buffer length L_cache, e.g. "
+            f"kwargs: {{cache: {max(1, max_length // 4)}}} (the penalty falls from 0 to -1 over the last "
+            "cache tokens before max_length)"
+        )
+    if isinstance(cache, bool) or not isinstance(cache, int) or not 1 <= cache <= max_length:
+        raise ConfigError(
+            f"`{key}.kwargs.cache` is {cache!r}; it must be an integer in 1..max_length ({max_length}): "
+            f"lower it, or raise `{key}.kwargs.max_length`"
+        )
+    return max_length, cache
+
+
+def check_rewards(rewards: Sequence[RewardSpec], max_new_tokens: int | None = None) -> None:
+    """Every spec's rules, at least one spec, and distinct names (the keys of reward_info);
+    `max_new_tokens` (sampling.max_new_tokens) is the overlong reward's default max_length."""
     if not rewards:
         raise ConfigError("`rewards` is empty; add at least one, e.g. rewards: [{type: answer}]")
     seen: set[str] = set()
     for i, spec in enumerate(rewards):
         key = f"rewards[{i}]"
         spec.check(key)
+        if spec.type == "overlong":
+            overlong_lengths(spec, max_new_tokens, key)
         if spec.resolved_name in seen:
             raise ConfigError(
                 f"`{key}.name`: two rewards are named {spec.resolved_name!r}; give each a distinct name"
@@ -342,6 +387,13 @@ class GRPOConfig:
     # (Yao et al. 2025); needs old_logprobs=trainer
     importance_correction: bool = False
     importance_cap: float = 2.0
+    # GSPO (Zheng et al. 2025): sequence = one importance ratio per completion, the geometric mean of its
+    # token ratios, clipped as a whole (clip fractions then count sequences). The paper clips it far
+    # tighter than token-level GRPO: clip_eps_low=3e-4, clip_eps_high=4e-4 (set them; the defaults stay 0.2)
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    # DAPO's overlong filtering (Yu et al. 2025): completions cut at sampling.max_new_tokens (no EOS) leave
+    # the loss and its normalisers; their rewards still count in their group's advantages
+    mask_truncated_completions: bool = False
     # DAPO's dynamic sampling (Yu et al. 2025): a group whose rewards all agree (no learning signal)
     # is not sent; its sampler makes a group of a fresh prompt instead, so every batch holds
     # prompts_per_step groups with reward variance. At most dynamic_sampling_max_extra_prompts such
@@ -804,11 +856,7 @@ class Config:
             )
         if self.method == "ppo":
             _check_ppo_prompts(self)
-        if self.grpo.dynamic_sampling and self.method != "grpo":
-            raise ConfigError(
-                f"`grpo.dynamic_sampling` is true for method {self.method}; it keeps groups whose G "
-                "completions' rewards differ, which only GRPO uses: set it to false"
-            )
+            _check_grpo_only(self)
         if self.sampling.backend == "vllm" and self.pipeline.mode != "decoupled":
             raise ConfigError(
                 "`sampling.backend` is vllm with pipeline.mode=colocated; the vLLM engine runs in the "
@@ -816,7 +864,7 @@ class Config:
                 "trainer) or sampling.backend=tandem"
             )
         if self.method in ("grpo", "ppo"):
-            check_rewards(self.rewards)
+            check_rewards(self.rewards, self.sampling.max_new_tokens)
             validate_batch(self)
             names = [spec.resolved_name for spec in self.rewards]
             if self.eval.correct_reward is not None and self.eval.correct_reward not in names:
@@ -848,6 +896,22 @@ def _check_ppo_prompts(cfg: Config) -> None:
             "ppo.prompts_per_step (grpo.prompts_per_step is its older name): drop grpo.prompts_per_step "
             "or set both to the same number"
         )
+
+
+def _check_grpo_only(cfg: Config) -> None:
+    """GRPO's loss variants that PPO's loss does not have: refused rather than ignored."""
+    variants = (
+        ("importance_sampling_level", "token"),
+        ("mask_truncated_completions", False),
+        ("dynamic_sampling", False),
+    )
+    for name, default in variants:
+        value = getattr(cfg.grpo, name)
+        if value != default:
+            raise ConfigError(
+                f"`grpo.{name}` is {value!r} but `tandem ppo` trains with PPO's own loss, which does not "
+                f"read it; drop it (or set it to {default!r}), or run `tandem grpo`"
+            )
 
 
 def validate(cfg: Config) -> None:

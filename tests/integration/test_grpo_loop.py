@@ -16,32 +16,34 @@ from tandem.trainer.grpo import train_grpo
 from tandem.trainer.metrics import REQUIRED_FIELDS
 
 
+def tiny_overrides(model_dir, out_dir, name, *overrides) -> list[str]:
+    """key=value settings of a short colocated run of the tiny model (the CLI's arguments too)."""
+    return [
+        f"experiment_name={name}",
+        f"output_dir={out_dir}",
+        "seed=3",
+        f"model.policy={model_dir}",
+        "sampling.dtype=float32",
+        "sampling.max_new_tokens=8",
+        "sampling.num_generations=4",
+        "sampling.batch_size=8",
+        "data.num_examples=20",
+        "data.num_shots=0",
+        "rewards=[{type: answer}, {type: format}, {type: function, function: 'tiny_rewards:digit_count'}]",
+        "grpo.prompts_per_step=2",
+        "grpo.kl_coef=0.04",
+        "training.micro_batch_size=2",
+        "training.gradient_accumulation_steps=4",
+        "training.learning_rate=1e-3",
+        "training.device=cpu",
+        "training.sample_log_steps=1",
+        "pipeline.mode=colocated",
+        *overrides,
+    ]
+
+
 def tiny_config(model_dir, out_dir, name, *overrides):
-    return load_config(
-        None,
-        [
-            f"experiment_name={name}",
-            f"output_dir={out_dir}",
-            "seed=3",
-            f"model.policy={model_dir}",
-            "sampling.dtype=float32",
-            "sampling.max_new_tokens=8",
-            "sampling.num_generations=4",
-            "sampling.batch_size=8",
-            "data.num_examples=20",
-            "data.num_shots=0",
-            "rewards=[{type: answer}, {type: format}, {type: function, function: 'tiny_rewards:digit_count'}]",
-            "grpo.prompts_per_step=2",
-            "grpo.kl_coef=0.04",
-            "training.micro_batch_size=2",
-            "training.gradient_accumulation_steps=4",
-            "training.learning_rate=1e-3",
-            "training.device=cpu",
-            "training.sample_log_steps=1",
-            "pipeline.mode=colocated",
-            *overrides,
-        ],
-    )
+    return load_config(None, tiny_overrides(model_dir, out_dir, name, *overrides))
 
 
 def weights(folder):
@@ -233,3 +235,63 @@ def test_dynamic_sampling_trains_only_on_groups_with_reward_variance(tiny_model_
     again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     for field in ("groups_filtered", "groups_generated", "reward_mean", "loss"):
         assert [r[field] for r in again[2:]] == [r[field] for r in rows[2:]], field
+
+
+def test_gspo_overlong_reward_and_learning_signal_fields_through_the_cli(tiny_model_dir, tmp_path):
+    """`tandem grpo` with GSPO, the overlong reward and TensorBoard: every row holds entropy, the
+    split clip fractions and frac_reward_zero_std, and TensorBoard has TRL's names beside tandem's."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tandem.cli import main
+
+    rewards = "rewards=[{type: answer}, {type: function, function: 'tiny_rewards:digit_count'}, "
+    rewards += "{type: overlong, kwargs: {cache: 4}}]"
+    overrides = tiny_overrides(
+        tiny_model_dir,
+        tmp_path,
+        "gspo",
+        rewards,
+        "grpo.importance_sampling_level=sequence",
+        "grpo.clip_eps_low=3e-4",
+        "grpo.clip_eps_high=4e-4",
+        "grpo.num_iterations=2",  # the second pass moves the ratio off 1: GSPO's clip range acts
+        "training.max_steps=4",
+        "training.report_to=[tensorboard]",
+    )
+    assert main(["grpo", *overrides]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "gspo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert 0 < row["entropy"] < math.log(1000)  # a random model's next-token entropy, in nats
+        assert row["clip_fraction"] == pytest.approx(row["clip_ratio_low"] + row["clip_ratio_high"])
+        assert 0 <= row["frac_reward_zero_std"] <= 1
+        # 8 new tokens of L_max 8 with a soft buffer of 4: -1 at 8 tokens, 0 at 4 or fewer
+        assert -1 <= row["reward_overlong"] <= 0
+    assert rows[0]["clip_fraction"] == 0  # the first update is on-policy: every sequence ratio is 1
+    assert any(r["clip_fraction"] > 0 for r in rows), "GSPO's clip range should bind in a second pass"
+    acc = EventAccumulator(str(tmp_path / "gspo" / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"entropy", "clip_ratio/low_mean", "clip_ratio/region_mean", "completions/clipped_ratio"} <= tags
+    assert {"rewards/overlong/mean", "rewards/answer/mean", "learning_rate", "reward"} <= tags
+    assert {"reward_mean", "clip_ratio_high", "frac_reward_zero_std"} <= tags
+
+
+def test_masked_truncated_completions_leave_nothing_to_learn_when_all_are_cut(tiny_model_dir, tmp_path):
+    """grpo.mask_truncated_completions with 3 new tokens: the tiny random model never samples EOS that
+    soon, so every completion is cut and masked: no update, the weights stay as they were."""
+    cfg = tiny_config(
+        tiny_model_dir,
+        tmp_path,
+        "masked",
+        "sampling.max_new_tokens=3",
+        "grpo.mask_truncated_completions=true",
+        "training.max_steps=2",
+    )
+    final = train_grpo(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "masked" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["finished_fraction"] == 0 for r in rows), "the premise: every completion was cut"
+    assert [(r["skipped"], r["entropy"]) for r in rows] == [(True, None), (True, None)]
+    before, after = weights(tiny_model_dir), weights(final)
+    assert all(torch.equal(before[k], after[k]) for k in before)

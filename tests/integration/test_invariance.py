@@ -76,6 +76,47 @@ def test_micro_batch_1_x_accumulation_8_equals_8_x_1(tiny_model, tiny_model_dir,
             torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _sgd_update(tiny_model, samples, overrides):
+    """The parameter change of one optimizer_step under plain SGD with lr 1 (the gradient itself)."""
+    cfg = load_config(None, ["grpo.prompts_per_step=2", "sampling.max_new_tokens=10", *overrides])
+    model = copy.deepcopy(tiny_model).train()
+    engine = TorchEngine(model, cfg.training, DistEnv(), torch.device("cpu"))
+    engine.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.scheduler = build_scheduler(engine.optimizer, cfg.training)
+    stats = optimizer_step(engine, Share.local(samples, cfg), cfg, torch.device("cpu"))
+    return stats, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("loss_agg", "level"),
+    [("seq-mean-token-mean", "token"), ("token-mean", "sequence"), ("seq-mean-token-sum-norm", "token")],
+)
+def test_masked_truncated_completions_update_as_if_they_were_absent(
+    tiny_model, tiny_model_dir, loss_agg, level
+):
+    """grpo.mask_truncated_completions: with half the completions cut at max_new_tokens, the update is
+    that of the batch without them (their loss terms and their share of the normaliser are gone),
+    whatever the micro-batch cut; their rewards still shaped the others' advantages."""
+    groups = _groups(tiny_model, AutoTokenizer.from_pretrained(tiny_model_dir))
+    for k, c in enumerate(c for g in groups for c in g.completions):
+        c.is_finished = k % 2 == 0
+    samples = flatten_groups(
+        groups, scale_rewards="group", adv_eps=1e-4, skip_zero_variance=False, mask_truncated=True
+    )
+    kept = [s for s in samples if not s.masked]
+    assert len(kept) == 4 and any(s.advantage != 0 for s in kept)
+    options = [f"grpo.loss_agg={loss_agg}", f"grpo.importance_sampling_level={level}"]
+    cut = ["training.gradient_accumulation_steps=1"]
+    want_stats, want = _sgd_update(tiny_model, kept, [*options, *cut, "training.micro_batch_size=4"])
+    for micro, accum in ((8, 1), (1, 8), (2, 4)):
+        cut = [f"training.micro_batch_size={micro}", f"training.gradient_accumulation_steps={accum}"]
+        stats, params = _sgd_update(tiny_model, samples, [*options, *cut])
+        assert stats["loss"] == pytest.approx(want_stats["loss"], rel=1e-5, abs=1e-7)
+        assert stats["entropy"] == pytest.approx(want_stats["entropy"], rel=1e-5)
+        for name, value in params.items():
+            torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_cost_model_step_does_not_depend_on_the_micro_batch_cut(tiny_model_dir):
     """The harmless reward model with its classification term (weight 2): 8 pairs as micro-batch 8 x
     accumulation 1, 1 x 8 and 2 x 4 give one update. Labels are left out unevenly (pair i has both,

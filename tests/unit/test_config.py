@@ -339,3 +339,24 @@ def test_safe_mm_dpo_variants_take_their_own_keys():
     assert margin.dpo.safe_mm.safety_margin == 0.5 and margin.dpo.safe_mm.helpful_model is None
     both = load_config(None, ["dpo.safe_mm.helpful_model=h", "dpo.safe_mm.harmless_model=s"], method="dpo")
     assert both.dpo.safe_mm.variant == "lagrangian" and both.dpo.safe_mm.lambda_init == 1.0
+
+
+def test_grpo_loss_variant_keys():
+    """grpo.importance_sampling_level (GSPO) and grpo.mask_truncated_completions (DAPO): off by
+    default, a wrong value names the key, and PPO, whose loss reads neither, refuses them."""
+    cfg = load_config(None)
+    assert (cfg.grpo.importance_sampling_level, cfg.grpo.mask_truncated_completions) == ("token", False)
+    cfg = load_config(
+        None, ["grpo.importance_sampling_level=sequence", "grpo.mask_truncated_completions=true"]
+    )
+    assert (cfg.grpo.importance_sampling_level, cfg.grpo.mask_truncated_completions) == ("sequence", True)
+    with pytest.raises(
+        ConfigError, match=r"`grpo.importance_sampling_level` is 'seq'; choose one of: token, sequence"
+    ):
+        load_config(None, ["grpo.importance_sampling_level=seq"])
+    with pytest.raises(ConfigError, match=r"grpo.mask_truncated_completions"):
+        load_config(None, ["grpo.mask_truncated_completions=maybe"])
+    for override in ("grpo.importance_sampling_level=sequence", "grpo.mask_truncated_completions=true"):
+        key = override.split("=")[0]
+        with pytest.raises(ConfigError, match=rf"`{key}` is .* `tandem ppo` trains with PPO's own loss"):
+            load_config(None, [override], method="ppo")

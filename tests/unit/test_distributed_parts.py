@@ -14,7 +14,14 @@ from tandem.config import ConfigError, TrainingConfig, load_config, validate_bat
 from tandem.distributed import deepspeed_config as dsc
 from tandem.distributed.env import DistEnv, scatter_tensor_dicts
 from tandem.launch import Nodes, plan
-from tandem.trainer.batching import Sample, samples_from_tensors, samples_to_tensors, split_across_ranks
+from tandem.trainer.batching import (
+    Sample,
+    collate,
+    loss_normalizer,
+    samples_from_tensors,
+    samples_to_tensors,
+    split_across_ranks,
+)
 
 
 @pytest.mark.parametrize(
@@ -171,6 +178,35 @@ def test_share_tensors_round_trip():
     assert samples_from_tensors(samples_to_tensors([])) == []
     t = samples_to_tensors(samples)
     assert scatter_tensor_dicts(DistEnv(), [t]) is t
+    samples[1].masked = True
+    assert [s.masked for s in samples_from_tensors(samples_to_tensors(samples))] == [
+        False,
+        True,
+        False,
+        False,
+    ]
+
+
+def test_masked_samples_leave_the_loss_mask_and_the_normalisers():
+    """grpo.mask_truncated_completions: a masked sample keeps its tokens (completion_mask) but none
+    of them reach the loss (loss_mask), and neither its tokens nor the sequence count in the loss's
+    normaliser."""
+    samples = _samples([[3, 2], [4, 1]])
+    assert (
+        loss_normalizer(samples, "token-mean") == 10 and loss_normalizer(samples, "seq-mean-token-mean") == 4
+    )
+    mb = collate(samples)
+    assert mb.loss_mask is mb.completion_mask  # nothing masked: the very same mask
+    samples[0].masked = samples[2].masked = True
+    assert loss_normalizer(samples, "token-mean") == 3  # 2 + 1
+    assert (
+        loss_normalizer(samples, "seq-mean-token-mean")
+        == loss_normalizer(samples, "seq-mean-token-sum-norm")
+        == 2
+    )
+    mb = collate(samples)
+    assert mb.completion_mask.sum(dim=1).tolist() == [3, 2, 4, 1]
+    assert mb.loss_mask.sum(dim=1).tolist() == [0, 2, 0, 1]
 
 
 def test_launch_builds_torchrun_and_deepspeed_command_lines():

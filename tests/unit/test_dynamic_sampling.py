@@ -84,7 +84,7 @@ def test_the_cap_defaults_to_three_per_prompt_of_a_batch_split_between_samplers(
 def test_bad_settings_name_the_key():
     with pytest.raises(ConfigError, match="grpo.dynamic_sampling_max_extra_prompts"):
         load_config(None, ["grpo.dynamic_sampling_max_extra_prompts=0"])
-    with pytest.raises(ConfigError, match="grpo.dynamic_sampling. is true for method ppo"):
+    with pytest.raises(ConfigError, match="grpo.dynamic_sampling. is True but .tandem ppo."):
         load_config(None, ["method=ppo", "grpo.dynamic_sampling=true"])
 
 

@@ -94,3 +94,63 @@ def test_memory_trimming_hooks_leave_the_gradients_bit_identical(tiny_model_dir)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [3, 1024])
+def test_fused_entropy_matches_full_softmax_and_leaves_the_logprobs_alone(temperature, chunk_size):
+    torch.manual_seed(2)
+    hidden = torch.randn(10, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    hidden.data[0] *= 40  # a near-one-hot row: most exp() underflow to 0, whose e log e must be 0
+    targets = torch.randint(0, 50, (10,))
+    plain = linear_token_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size)
+    plain.sum().backward()
+    plain_grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    logprobs, entropy = linear_token_logprobs(
+        hidden, weight, targets, temperature=temperature, chunk_size=chunk_size, return_entropy=True
+    )
+    logprobs.sum().backward()
+    # the entropy changes nothing of the log-probs or their gradients, and carries no gradient
+    assert torch.equal(logprobs, plain) and not entropy.requires_grad
+    assert torch.equal(hidden.grad, plain_grads[0]) and torch.equal(weight.grad, plain_grads[1])
+    with torch.no_grad():
+        logits = (hidden.double() @ weight.double().T) / temperature
+        p = torch.softmax(logits, dim=-1)
+        expected = -(p * torch.log_softmax(logits, dim=-1)).sum(dim=-1)
+    torch.testing.assert_close(entropy.double(), expected, rtol=1e-5, atol=1e-5)
+    assert entropy[0] < 1e-3 < entropy[1:].min()
+
+
+def test_packed_entropy_equals_a_full_softmax_chunk_by_chunk(tiny_model, monkeypatch):
+    """Each token's entropy from the packed forward equals a direct full softmax over the model's
+    logits, and no chunk holds more than chunk_size rows of vocabulary logits."""
+    import tandem.algorithms.logprobs as fused
+
+    rows_seen = []
+    real = fused._entropy_in_place
+
+    def spy(logits, peak, entropy):
+        rows_seen.append(logits.shape)
+        return real(logits, peak, entropy)
+
+    monkeypatch.setattr(fused, "_entropy_in_place", spy)
+    g = torch.Generator().manual_seed(1)
+    vocab = tiny_model.config.vocab_size
+    prompt = torch.randint(3, vocab, (5,), generator=g).tolist()
+    completions = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (4, 7)]
+    with torch.no_grad():
+        logprobs, entropy = packed_logprobs(
+            tiny_model, pack_rows([(prompt, completions)]), chunk_size=4, return_entropy=True
+        )
+        plain = packed_logprobs(tiny_model, pack_rows([(prompt, completions)]), chunk_size=4)
+    assert torch.equal(logprobs, plain)
+    assert rows_seen and all(shape == (4, vocab) or shape[0] < 4 for shape in rows_seen)
+    for k, completion in enumerate(completions):
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = tiny_model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        expected = torch.distributions.Categorical(logits=logits).entropy()
+        torch.testing.assert_close(entropy[k, : len(completion)], expected, rtol=1e-4, atol=1e-4)
+        assert torch.all(entropy[k, len(completion) :] == 0)

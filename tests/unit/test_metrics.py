@@ -12,6 +12,7 @@ from tandem.trainer.metrics import (
     MetricsLogger,
     read_metrics,
     to_json_safe,
+    trl_aliases,
     write_samples,
 )
 
@@ -151,3 +152,50 @@ def test_tensorboard_event_file_created(tmp_path: Path):
     acc.Reload()
     assert set(REQUIRED_FIELDS) - {"step"} <= set(acc.Tags()["scalars"])
     assert [e.step for e in acc.Scalars("reward_mean")] == [1, 2]
+
+
+def test_trl_names_are_written_to_tensorboard_beside_tandem_names(tmp_path: Path):
+    """TRL's GRPOTrainer names reach the TensorBoard event file as aliases; metrics.jsonl keeps
+    tandem's names only."""
+    pytest.importorskip("tensorboard")
+    extra = dict(
+        completion_length_mean=7.5,
+        clip_ratio_low=0.125,
+        clip_ratio_high=0.25,
+        entropy=2.0,
+        frac_reward_zero_std=0.5,
+        finished_fraction=0.75,
+        reward_answer=-0.5,
+        reward_format=None,  # applied to no completion: no alias
+    )
+    with MetricsLogger(
+        tmp_path, ["tensorboard"], aliases=lambda r: trl_aliases(r, ["answer", "format"])
+    ) as log:
+        log.log(make_row(1, **extra))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    want = {
+        "reward": 0.5,  # reward_mean
+        "reward_std": 0.5,
+        "completions/mean_length": 7.5,
+        "completions/clipped_ratio": 0.25,  # 1 - finished_fraction
+        "clip_ratio/low_mean": 0.125,
+        "clip_ratio/high_mean": 0.25,
+        "clip_ratio/region_mean": 0.5,  # clip_fraction
+        "kl": 0.5,
+        "entropy": 2.0,
+        "frac_reward_zero_std": 0.5,
+        "rewards/answer/mean": -0.5,
+        "loss": 0.5,
+        "learning_rate": 0.5,  # lr
+        "grad_norm": 0.5,
+    }
+    assert set(want) <= tags and "rewards/format/mean" not in tags
+    for tag, value in want.items():
+        assert acc.Scalars(tag)[0].value == pytest.approx(value) and acc.Scalars(tag)[0].step == 1, tag
+    assert {"reward_mean", "lr", "clip_fraction"} <= tags  # tandem's own names too
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert "learning_rate" not in row and "clip_ratio/low_mean" not in row and row["lr"] == 0.5

@@ -235,3 +235,4 @@ def test_reward_set_spec_errors(specs: list, message: str) -> None:
 
 def test_every_reward_type_has_a_builder() -> None:
     assert {*_BUILTINS, "function", "model"} == set(get_args(RewardType))
+    assert "overlong" in _BUILTINS

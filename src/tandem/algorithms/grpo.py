@@ -11,6 +11,7 @@ from tandem.algorithms.logprobs import kl_k3
 
 LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 REWARD_SCALINGS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 def group_advantages(
@@ -79,6 +80,7 @@ def grpo_loss(
     normalizer: float | None = None,
     max_completion_length: int | None = None,
     importance_weights: torch.Tensor | None = None,
+    importance_sampling_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate minus a k3 KL penalty, aggregated as `loss_agg`; returns (loss, stats).
 
@@ -95,17 +97,30 @@ def grpo_loss(
     `normalizer` defaults to this batch's own count; pass the count of the whole optimizer
     batch (all micro-batches, all ranks) so that gradient accumulation and world size do not
     change the update. `ref_logprobs` may be None when kl_coef == 0.
-    The stats are token-weighted means over this batch plus `num_tokens` to combine them.
+    `importance_sampling_level="sequence"` is GSPO (Zheng et al. 2025): ratio_t is replaced by the
+    sequence ratio of `sequence_importance_ratio`, the same value on every token of a sequence; the KL
+    term and the aggregation stay per token.
+    The stats are means over this batch with the counts to combine them: kl, ratio_mean and
+    ratio_abs_dev over `num_tokens` tokens; clip_fraction (= clip_ratio_low + clip_ratio_high;
+    low: ratio < 1 - eps_low with A < 0, high: ratio > 1 + eps_high with A > 0) over tokens, or under
+    GSPO over the `num_sequences` sequences that have a token in the mask.
     """
     if loss_agg not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {loss_agg!r}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+            f"got {importance_sampling_level!r}"
+        )
     if kl_coef != 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs is required when kl_coef != 0")
     mask = completion_mask.to(trainer_logprobs.dtype)
     adv = advantages.to(trainer_logprobs.dtype).unsqueeze(1)  # [B, 1]
 
-    log_ratio = trainer_logprobs - sampler_logprobs
-    ratio = torch.exp(log_ratio)
+    if importance_sampling_level == "sequence":
+        ratio = sequence_importance_ratio(trainer_logprobs, sampler_logprobs, completion_mask)
+    else:
+        ratio = torch.exp(trainer_logprobs - sampler_logprobs)
     clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     objective = torch.minimum(ratio * adv, clipped * adv)
     if importance_weights is not None:
@@ -129,15 +144,72 @@ def grpo_loss(
     with torch.no_grad():
         num_tokens = mask.sum()
         denom = num_tokens.clamp(min=1.0)
-        is_clipped = ((ratio < 1.0 - clip_eps_low) & (adv < 0)) | ((ratio > 1.0 + clip_eps_high) & (adv > 0))
+        is_low = (ratio < 1.0 - clip_eps_low) & (adv < 0)
+        is_high = (ratio > 1.0 + clip_eps_high) & (adv > 0)
+        has_tokens = mask.sum(dim=1) > 0  # [B]
+        num_sequences = has_tokens.sum()
+        if importance_sampling_level == "sequence":
+            # one ratio per sequence: the fractions count sequences (those with a token in the mask)
+            seq_denom = num_sequences.clamp(min=1).to(mask.dtype)
+            low = float((is_low[:, 0] & has_tokens).sum() / seq_denom) if mask.shape[1] else 0.0
+            high = float((is_high[:, 0] & has_tokens).sum() / seq_denom) if mask.shape[1] else 0.0
+            clip_fraction = low + high  # disjoint: the advantage's sign tells them apart
+        else:
+            low = float((is_low.to(mask.dtype) * mask).sum() / denom)
+            high = float((is_high.to(mask.dtype) * mask).sum() / denom)
+            clip_fraction = float(((is_low | is_high).to(mask.dtype) * mask).sum() / denom)
         stats = {
             "kl": float((kl * mask).sum() / denom),
-            "clip_fraction": float((is_clipped.to(mask.dtype) * mask).sum() / denom),
+            "clip_fraction": clip_fraction,
+            "clip_ratio_low": low,
+            "clip_ratio_high": high,
             "ratio_mean": float((ratio * mask).sum() / denom),
             "ratio_abs_dev": float(((ratio - 1.0).abs() * mask).sum() / denom),
             "num_tokens": float(num_tokens),
+            "num_sequences": float(num_sequences),
         }
     return loss, stats
+
+
+def sequence_importance_ratio(
+    trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, completion_mask: torch.Tensor
+) -> torch.Tensor:
+    """GSPO's sequence-level importance ratio (Zheng et al. 2025, "Group Sequence Policy
+    Optimization"), in the token form that carries its gradient to every token (GSPO-token):
+      s_i   = exp( (1/|y_i|) sum_t m_it (logp_new_it - logp_old_it) ),   |y_i| = sum_t m_it
+      s_i,t = sg[s_i] * pi_new(y_it) / sg[pi_new(y_it)]                   (sg: stop-gradient)
+    Every token of sequence i carries the value s_i and d s_i,t = s_i * d logp_new_it, so with one
+    advantage per sequence the clipped objective's gradient is GSPO's own. A sequence with no token
+    in the mask gets s_i = 1. [B, T] -> [B, T].
+    """
+    mask = completion_mask.to(trainer_logprobs.dtype)
+    log_ratio = (trainer_logprobs - sampler_logprobs) * mask
+    seq_log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return torch.exp(seq_log_ratio.detach() + trainer_logprobs - trainer_logprobs.detach())
+
+
+def gspo_loss(
+    trainer_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    **options,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025): `grpo_loss` with the sequence ratio s_i of `sequence_importance_ratio`,
+      obj_i,t = min(s_i,t A_i, clip(s_i,t, 1 - eps_low, 1 + eps_high) A_i) - kl_coef KL_t
+    aggregated as `loss_agg`. The paper clips far tighter than token-level GRPO (eps_low 3e-4,
+    eps_high 4e-4): a sequence ratio is a geometric mean of token ratios, so it stays near 1.
+    `options` are grpo_loss's keyword arguments."""
+    return grpo_loss(
+        trainer_logprobs,
+        sampler_logprobs,
+        ref_logprobs,
+        advantages,
+        completion_mask,
+        importance_sampling_level="sequence",
+        **options,
+    )
 
 
 def truncated_importance_weights(

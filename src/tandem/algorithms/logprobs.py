@@ -11,27 +11,32 @@ import torch
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
-    """log softmax(hidden @ weight.T / temperature)[target], computed chunk by chunk."""
+    """log softmax(hidden @ weight.T / temperature)[target], computed chunk by chunk; with
+    `with_entropy` also each token's entropy (a second output, without gradient; else empty)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int):
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int, with_entropy: bool):
         num_tokens = hidden.shape[0]
         out = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(num_tokens if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
-            _chunked_forward(hidden, weight, targets, temperature, chunk_size, out, lse)
+            _chunked_forward(
+                hidden, weight, targets, temperature, chunk_size, out, lse, entropy if with_entropy else None
+            )
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
-        return out
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_entropy):
         with torch.autocast(grad_out.device.type, enabled=False):
-            return _chunked_backward(ctx, grad_out)
+            return (*_chunked_backward(ctx, grad_out), None)
 
 
-def _chunked_forward(hidden, weight, targets, temperature, chunk_size, out, lse) -> None:
+def _chunked_forward(hidden, weight, targets, temperature, chunk_size, out, lse, entropy) -> None:
     buffer = _logits_buffer(hidden, weight, chunk_size)
     for start in range(0, hidden.shape[0], chunk_size):
         end = min(start + chunk_size, hidden.shape[0])
@@ -39,8 +44,22 @@ def _chunked_forward(hidden, weight, targets, temperature, chunk_size, out, lse)
         out[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1)
         # log-sum-exp in place (torch.logsumexp would allocate another [n, V])
         peak = logits.amax(dim=-1)
-        lse[start:end] = peak + logits.sub_(peak[:, None]).exp_().sum(dim=-1).log_()
+        if entropy is None:
+            lse[start:end] = peak + logits.sub_(peak[:, None]).exp_().sum(dim=-1).log_()
+        else:
+            lse[start:end] = peak + _entropy_in_place(logits, peak, entropy[start:end])
         out[start:end] -= lse[start:end]
+
+
+def _entropy_in_place(logits: torch.Tensor, peak: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """Write each row's entropy H = log S - sum_v e_v d_v / S into `entropy`, with d = z - max z,
+    e = exp(d), S = sum_v e_v (= -sum p log p, p = e / S); returns log S. Overwrites `logits`, in
+    place as the log-sum-exp does: xlogy(e, e) = e d, and 0 where e underflows."""
+    exps = logits.sub_(peak[:, None]).exp_()
+    total = exps.sum(dim=-1)
+    log_total = total.log()
+    entropy.copy_(log_total - exps.xlogy_(exps).sum(dim=-1) / total)
+    return log_total
 
 
 def _logits_buffer(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -100,16 +119,22 @@ def linear_token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 256,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(hidden @ weight.T / temperature) at `targets`.
 
     hidden [N, H], weight [V, H] (the output embedding), targets [N] -> [N] float32.
     Differentiable in hidden and weight; never holds more than chunk_size x V logits (256 x 49,152
     fp32 = 50 MB for the embedded model; the matmul is as fast at 256 rows as at 1024 on a CPU).
+    `return_entropy`: also each token's entropy -sum_v p_v log p_v of the same (tempered) softmax,
+    [N] float32, from the same chunks (no extra [N, V]); it carries no gradient (for logging).
     """
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
-    return _LinearTokenLogprobs.apply(hidden, weight, targets, float(temperature), int(chunk_size))
+    logprobs, entropy = _LinearTokenLogprobs.apply(
+        hidden, weight, targets, float(temperature), int(chunk_size), bool(return_entropy)
+    )
+    return (logprobs, entropy) if return_entropy else logprobs
 
 
 def logits_token_logprobs(

@@ -213,19 +213,22 @@ def packed_logprobs(
     head_dtype: torch.dtype | None = torch.float32,
     chunk_size: int = 256,
     route: str | None = None,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(token | prompt, earlier tokens of the same completion): [num_completions, T] float32.
 
     T is the longest completion; entries past a completion's length are 0. `head_dtype` is the
     dtype of the output projection (fp32 by default, whatever the body's precision). `route`: see
-    `decoder_hidden_states` (default: the model's own).
+    `decoder_hidden_states` (default: the model's own). `return_entropy`: also the entropy of each
+    token's (tempered) next-token distribution, [num_completions, T] without gradient, computed in
+    the same chunks of `chunk_size` x vocab logits as the log-probs (algorithms/logprobs.py).
     """
     lengths = packed.completion_lengths
     out = torch.zeros(
         len(lengths), max(lengths, default=0), dtype=torch.float32, device=packed.input_ids.device
     )
     if packed.targets.numel() == 0:
-        return out
+        return (out, out.clone()) if return_entropy else out
     hidden = decoder_hidden_states(model, packed, route=route)  # [R, L, H]
     weight = model.get_output_embeddings().weight
     if head_dtype is not None and weight.dtype != head_dtype:
@@ -236,11 +239,17 @@ def packed_logprobs(
         packed.targets,
         temperature=temperature,
         chunk_size=chunk_size,
+        return_entropy=return_entropy,
     )
     lengths_t = torch.tensor(lengths, device=out.device)
     rows = torch.repeat_interleave(torch.arange(len(lengths), device=out.device), lengths_t)
     starts = torch.cumsum(lengths_t, 0) - lengths_t
     cols = torch.arange(rows.numel(), device=out.device) - starts[rows]
+    if return_entropy:
+        token_logprobs, token_entropy = token_logprobs
+        return out.index_put((rows, cols), token_logprobs), out.detach().index_put(
+            (rows, cols), token_entropy
+        )
     return out.index_put((rows, cols), token_logprobs)
 
 
@@ -252,5 +261,7 @@ class PackedLogprobsModule(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, packed: PackedRows, temperature: float = 1.0) -> torch.Tensor:
-        return packed_logprobs(self.model, packed, temperature=temperature)
+    def forward(
+        self, packed: PackedRows, temperature: float = 1.0, return_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return packed_logprobs(self.model, packed, temperature=temperature, return_entropy=return_entropy)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.config import ConfigError, RewardSpec, check_rewards
+from tandem.config import ConfigError, RewardSpec, check_rewards, overlong_lengths
 from tandem.data.prompts import build_messages
 from tandem.rewards.calling import (
     Convention,
@@ -25,16 +25,43 @@ from tandem.rewards.calling import (
     per_item_call,
 )
 from tandem.rewards.gsm8k import answer_rewards, format_partial_rewards, format_rewards
+from tandem.rewards.length import soft_overlong_penalty
 from tandem.rewards.model import ModelReward  # light: it imports the model code only when built
 from tandem.types import Example
 
 log = logging.getLogger(__name__)
 
-# the built-in types of config.RewardType; the answer rule reads each row's gold (RewardBatch.gold_answers)
-_BUILTINS: dict[str, Callable[[RewardBatch], Any]] = {
-    "answer": lambda batch: answer_rewards(batch.completions, batch.gold_answers()),
-    "format": lambda batch: format_rewards(batch.completions),
-    "format_partial": lambda batch: format_partial_rewards(batch.completions),
+
+def _answer(batch: RewardBatch) -> list[float]:
+    return answer_rewards(batch.completions, batch.gold_answers())
+
+
+def _format(batch: RewardBatch) -> list[float]:
+    return format_rewards(batch.completions)
+
+
+def _format_partial(batch: RewardBatch) -> list[float]:
+    return format_partial_rewards(batch.completions)
+
+
+def _overlong(max_length: int, cache: int) -> Callable[[RewardBatch], list[float]]:
+    """DAPO's soft overlong punishment of each completion's generated token count."""
+
+    def overlong(batch: RewardBatch) -> list[float]:
+        lengths = [len(ids) for ids in batch.completion_ids]
+        return soft_overlong_penalty(lengths, max_length=max_length, cache=cache)
+
+    return overlong
+
+
+# the built-in types of config.RewardType, each a builder (spec, sampling.max_new_tokens, key) -> the
+# reward of a RewardBatch; the answer rule reads each row's gold (RewardBatch.gold_answers), the
+# overlong rule its spec's lengths (config.overlong_lengths)
+_BUILTINS: dict[str, Callable[[RewardSpec, int | None, str], Callable[[RewardBatch], Any]]] = {
+    "answer": lambda *_: _answer,
+    "format": lambda *_: _format,
+    "format_partial": lambda *_: _format_partial,
+    "overlong": lambda spec, max_new_tokens, key: _overlong(*overlong_lengths(spec, max_new_tokens, key)),
 }
 
 
@@ -131,14 +158,19 @@ class RewardSet:
         self._warned_unscored = False
 
     @classmethod
-    def from_specs(cls, specs: Sequence[RewardSpec], *, device: Any = "cpu") -> RewardSet:
+    def from_specs(
+        cls, specs: Sequence[RewardSpec], *, device: Any = "cpu", max_new_tokens: int | None = None
+    ) -> RewardSet:
         """From reward specs (config.RewardSpec: type, weight, function "module:attr" and its factory
         `kwargs` for type function, path of a `tandem rm` folder for type model, loaded once on
-        `device`, and name), checked by config.check_rewards: a bad spec, or a function that does not
-        import, raises ConfigError naming `rewards[i]`.
+        `device`, the lengths of type overlong, whose max_length defaults to `max_new_tokens`, and
+        name), checked by config.check_rewards: a bad spec, or a function that does not import,
+        raises ConfigError naming `rewards[i]`.
         """
-        check_rewards(specs)
-        return cls([_component(spec, f"rewards[{i}]", device) for i, spec in enumerate(specs)])
+        check_rewards(specs, max_new_tokens)
+        return cls(
+            [_component(spec, f"rewards[{i}]", device, max_new_tokens) for i, spec in enumerate(specs)]
+        )
 
     @property
     def names(self) -> list[str]:
@@ -190,7 +222,7 @@ class RewardSet:
             )
 
 
-def _component(spec: RewardSpec, key: str, device: Any) -> _Component:
+def _component(spec: RewardSpec, key: str, device: Any, max_new_tokens: int | None = None) -> _Component:
     """A checked spec's reward (check_rewards holds the rules)."""
     name, weight = spec.resolved_name, float(spec.weight)
     if spec.type == "model":
@@ -201,7 +233,8 @@ def _component(spec: RewardSpec, key: str, device: Any) -> _Component:
         label = _label(name, spec.function)
         call = per_item_call(fn, label) if form == "per_item" else batch_call(fn, label)
         return _Component(name, weight, call, label)
-    return _Component(name, weight, _BUILTINS[spec.type], _label(name, spec.type))
+    build = _BUILTINS[spec.type]
+    return _Component(name, weight, build(spec, max_new_tokens, key), _label(name, spec.type))
 
 
 def _label(name: str, source: str | None) -> str:

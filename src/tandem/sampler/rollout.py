@@ -331,7 +331,7 @@ def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_
         policy=rollout_model,
         reference=reference,
         tokenizer=tokenizer,
-        rewards=RewardSet.from_specs(cfg.rewards, device=device),
+        rewards=RewardSet.from_specs(cfg.rewards, device=device, max_new_tokens=cfg.sampling.max_new_tokens),
         question_style=prompt_style(cfg.data, from_question=True),
         row_style=prompt_style(cfg.data, from_question=False),
         num_generations=cfg.sampling.num_generations,

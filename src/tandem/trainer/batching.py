@@ -26,6 +26,8 @@ class Sample:
     reward: float = 0.0  # the completion's total reward (PPO scores the sequence with it)
     # [T] pi_old as the trainer computed it (grpo.old_logprobs: trainer); None: sampler_logprobs is
     old_logprobs: torch.Tensor | None = None
+    # out of the loss and its normalisers (grpo.mask_truncated_completions: cut at max_new_tokens)
+    masked: bool = False
 
 
 @dataclass
@@ -36,15 +38,24 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None  # [B, T]
     advantages: torch.Tensor  # [B]
     old_logprobs: torch.Tensor | None = None  # [B, T] the trainer's pi_old, when every sample has one
+    # [B, T] the tokens the loss keeps: completion_mask less the masked samples' rows (Sample.masked)
+    loss_mask: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(*(None if t is None else t.to(device) for t in self.__dict__.values()))
 
 
 def flatten_groups(
-    groups: list[Group], *, scale_rewards: str, adv_eps: float, skip_zero_variance: bool
+    groups: list[Group],
+    *,
+    scale_rewards: str,
+    adv_eps: float,
+    skip_zero_variance: bool,
+    mask_truncated: bool = False,
 ) -> list[Sample]:
-    """Samples of every group, in order; batch reward scaling is applied here, across all groups."""
+    """Samples of every group, in order; batch reward scaling is applied here, across all groups.
+    `mask_truncated` (DAPO's overlong filtering): a completion cut at max_new_tokens (no EOS) is a
+    masked sample, out of the loss; its reward still counts in its group's advantages."""
     if scale_rewards == "batch" and groups:
         # unscored completions (every reward None) as NaN: out of the statistics, advantage 0
         rewards = torch.tensor([c.reward if c.scored else math.nan for g in groups for c in g.completions])
@@ -68,6 +79,7 @@ def flatten_groups(
                         g.policy_version,
                         index,
                         c.reward,
+                        masked=mask_truncated and not c.is_finished,
                     )
                 )
             k += 1
@@ -93,6 +105,7 @@ def collate(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
 
     has_ref = all(s.ref_logprobs is not None for s in samples)
     has_old = all(s.old_logprobs is not None for s in samples)
+    kept = torch.tensor([not s.masked for s in samples])
     return MicroBatch(
         packed=pack_rows(rows, pad_id),
         completion_mask=mask,
@@ -100,6 +113,7 @@ def collate(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
         ref_logprobs=pad([s.ref_logprobs for s in samples]) if has_ref else None,
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         old_logprobs=pad([s.old_logprobs for s in samples]) if has_old else None,
+        loss_mask=mask if bool(kept.all()) else mask & kept[:, None],
     )
 
 
@@ -121,10 +135,12 @@ def split_micro_batches(samples: list[Sample], micro_batch_size: int) -> list[li
 
 
 def loss_normalizer(samples: list[Sample], loss_agg: str) -> float:
-    """The count the loss of a whole optimizer batch divides by (DESIGN.md section 6)."""
+    """The count the loss of a whole optimizer batch divides by (DESIGN.md section 6): its tokens
+    (token-mean) or sequences (the others). Masked samples (Sample.masked) are not in the loss, so
+    not in the count: the update is as if they were not in the batch."""
     if loss_agg == "token-mean":
-        return float(sum(len(s.completion_ids) for s in samples))
-    return float(len(samples))
+        return float(sum(len(s.completion_ids) for s in samples if not s.masked))
+    return float(sum(not s.masked for s in samples))
 
 
 def split_across_ranks(samples: list[Sample], world_size: int) -> list[list[Sample]]:
@@ -172,6 +188,7 @@ def samples_to_tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
         "policy_versions": ints(s.policy_version for s in samples),
         "group_indices": ints(s.group_index for s in samples),
         "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        "masked": ints(int(s.masked) for s in samples),
         "has_ref": ints([int(has_ref)]),
     }
 
@@ -180,6 +197,7 @@ def samples_from_tensors(t: dict[str, torch.Tensor]) -> list[Sample]:
     prompt_lengths, completion_lengths = t["prompt_lengths"].tolist(), t["completion_lengths"].tolist()
     prompt_ids, completion_ids = t["prompt_ids"].tolist(), t["completion_ids"].tolist()
     has_ref = bool(t["has_ref"][0])
+    masked = t["masked"].tolist()
     samples, p, c = [], 0, 0
     for i, (n_prompt, n_completion) in enumerate(zip(prompt_lengths, completion_lengths)):
         samples.append(
@@ -192,6 +210,7 @@ def samples_from_tensors(t: dict[str, torch.Tensor]) -> list[Sample]:
                 int(t["policy_versions"][i]),
                 int(t["group_indices"][i]),
                 float(t["rewards"][i]),
+                masked=bool(masked[i]),
             )
         )
         p, c = p + n_prompt, c + n_completion

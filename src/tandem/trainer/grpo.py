@@ -75,6 +75,7 @@ def _train(cfg: Config, env: DistEnv, device: torch.device) -> Path:
         scale_rewards=gc.scale_rewards,
         adv_eps=gc.adv_eps,
         skip_zero_variance=gc.skip_zero_variance_groups,
+        mask_truncated=gc.mask_truncated_completions,
     )
     with record.steps(experience):
         while step < tc.max_steps:
@@ -129,15 +130,21 @@ def optimizer_step(
     0), so the collectives inside DDP's and ZeRO's backward (and ZeRO-3's forward) line up.
     `mismatch` is the row's sampler/trainer log-prob comparison where it is already made (by
     `recompute_old_logprobs`, or NOT_MEASURED); None makes it from this step's forward, which must
-    then start from the weights the batch was taken with (a batch's first step)."""
+    then start from the weights the batch was taken with (a batch's first step).
+    The row's loss statistics are over the tokens the loss keeps (MicroBatch.loss_mask), all
+    micro-batches and ranks: kl, ratio_abs_dev and entropy (of the policy's tempered next-token
+    distribution, from the fused head) per token; clip_fraction, clip_ratio_low and clip_ratio_high per
+    token, or per sequence under GSPO (grpo.importance_sampling_level: sequence)."""
     tc, gc = cfg.training, cfg.grpo
-    stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_abs_dev": 0.0}
+    stats = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "clip_ratio_low": 0.0, "clip_ratio_high": 0.0}
+    stats.update(ratio_abs_dev=0.0, entropy=None)
     importance = dict.fromkeys(("importance_weight_mean", "importance_weight_capped"))
     lr = engine.lr()
-    if share.num_global == 0:
-        # every group had zero reward variance and was skipped: nothing to learn from, so no
-        # optimizer step and no scheduler step (the lr schedule counts real updates); the step
-        # still counts toward max_steps and publishes its version, which keeps the samplers' pacing
+    if share.num_global == 0 or share.normalizer == 0:
+        # every group had zero reward variance and was skipped (or every completion was masked out
+        # of the loss): nothing to learn from, so no optimizer step and no scheduler step (the lr
+        # schedule counts real updates); the step still counts toward max_steps and publishes its
+        # version, which keeps the samplers' pacing
         engine.skips.nothing_to_learn()
         return {
             **stats,
@@ -153,9 +160,12 @@ def optimizer_step(
         }
     t0 = time.perf_counter()
     engine.model.train()
-    # token-weighted over the real micro-batches: kl, clip and ratio_dev times num_tokens; the
-    # sampler/trainer comparison's sums (MISMATCH_SUMS) and the importance weights' (is_*)
+    # token-weighted over the real micro-batches: kl, ratio_dev and entropy times num_tokens, the clip
+    # fractions times their count (clip_n: tokens, or sequences under GSPO); the sampler/trainer
+    # comparison's sums (MISMATCH_SUMS) and the importance weights' (is_*)
     sums = dict.fromkeys(("loss", "kl", "clip", "ratio_dev", "num_tokens", *MISMATCH_SUMS), 0.0)
+    sums.update(clip_low=0.0, clip_high=0.0, clip_n=0.0, entropy=0.0)
+    per_sequence = gc.importance_sampling_level == "sequence"
     if gc.importance_correction:
         sums.update(is_weight=0.0, is_capped=0.0)
     micro_batches = share.micro_batches(tc.micro_batch_size)
@@ -170,13 +180,15 @@ def optimizer_step(
         )
         with engine.accumulate(last=i == len(micro_batches) - 1):
             with autocast(device, tc.mixed_precision):
-                trainer_logprobs = engine.model(mb.packed, temperature=cfg.sampling.temperature)
+                trainer_logprobs, entropy = engine.model(
+                    mb.packed, temperature=cfg.sampling.temperature, return_entropy=True
+                )
             loss, s = grpo_loss(
                 trainer_logprobs,
                 old_logprobs,
                 mb.ref_logprobs,
                 mb.advantages,
-                mb.completion_mask,
+                mb.loss_mask,
                 clip_eps_low=gc.clip_eps_low,
                 clip_eps_high=gc.clip_eps_high,
                 kl_coef=gc.kl_coef,
@@ -184,25 +196,32 @@ def optimizer_step(
                 normalizer=share.normalizer,
                 max_completion_length=cfg.sampling.max_new_tokens,
                 importance_weights=weights,
+                importance_sampling_level=gc.importance_sampling_level,
             )
             engine.backward(loss * weight)
         if weight:
             n = s["num_tokens"]
+            clip_n = s["num_sequences"] if per_sequence else n
             sums["loss"] += float(loss.detach())
             sums["kl"] += s["kl"] * n
-            sums["clip"] += s["clip_fraction"] * n
+            sums["clip"] += s["clip_fraction"] * clip_n
+            sums["clip_low"] += s["clip_ratio_low"] * clip_n
+            sums["clip_high"] += s["clip_ratio_high"] * clip_n
+            sums["clip_n"] += clip_n
             sums["ratio_dev"] += s["ratio_abs_dev"] * n
+            sums["entropy"] += float((entropy * mb.loss_mask).sum())
             sums["num_tokens"] += n
             if mismatch is None:
                 add_mismatch(sums, trainer_logprobs.detach(), mb, share.on_batch_weights(micro))
             if weights is not None:
-                mask = mb.completion_mask.to(weights.dtype)
+                mask = mb.loss_mask.to(weights.dtype)
                 sums["is_weight"] += float((weights * mask).sum())
                 sums["is_capped"] += float(((weights >= gc.importance_cap) * mask).sum())
     t1 = time.perf_counter()
     grad_norm = engine.step()
     totals = all_reduce_dict(env, sums)
     num_tokens = max(totals["num_tokens"], 1.0)
+    clip_n = max(totals["clip_n"], 1.0)
     if gc.importance_correction:
         importance = {
             "importance_weight_mean": totals["is_weight"] / num_tokens,
@@ -211,8 +230,11 @@ def optimizer_step(
     return {
         "loss": totals["loss"],
         "kl": totals["kl"] / num_tokens,
-        "clip_fraction": totals["clip"] / num_tokens,
+        "clip_fraction": totals["clip"] / clip_n,
+        "clip_ratio_low": totals["clip_low"] / clip_n,
+        "clip_ratio_high": totals["clip_high"] / clip_n,
         "ratio_abs_dev": totals["ratio_dev"] / num_tokens,
+        "entropy": totals["entropy"] / num_tokens,
         "grad_norm": grad_norm,
         "skipped_nonfinite": engine.skips.last_skipped,
         "lr": lr,

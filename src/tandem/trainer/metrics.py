@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -42,6 +43,33 @@ SUPERVISED_FIELDS: tuple[str, ...] = ("step", "epoch", "loss", "grad_norm", "lr"
 METRICS_FILE = "metrics.jsonl"
 # "jsonl" is always written; naming it (or "none") in report_to is accepted and changes nothing.
 REPORT_TO_CHOICES = ("jsonl", "none", "tensorboard", "wandb")
+# an RL row's fields under the names TRL's GRPOTrainer logs (trl 1.x), so that its dashboards read
+# tandem's runs: written to TensorBoard and W&B beside tandem's own names, never to metrics.jsonl.
+# Fields TRL names alike (reward_std, kl, entropy, frac_reward_zero_std, loss, grad_norm) need none.
+TRL_NAMES = {
+    "reward_mean": "reward",
+    "completion_length_mean": "completions/mean_length",
+    "clip_ratio_low": "clip_ratio/low_mean",
+    "clip_ratio_high": "clip_ratio/high_mean",
+    "clip_fraction": "clip_ratio/region_mean",
+    "lr": "learning_rate",
+}
+
+
+def trl_aliases(row: dict, reward_names: Sequence[str] = ()) -> dict[str, float]:
+    """The TRL-named copies of a (JSON-safe) RL row's numbers: TRL_NAMES, `rewards/<name>/mean` for
+    each reward's `reward_<name>`, and completions/clipped_ratio, the fraction cut at max_new_tokens
+    (1 - finished_fraction). Fields the row lacks, or holds as null, give none."""
+    pairs = [(TRL_NAMES[k], v) for k, v in row.items() if k in TRL_NAMES]
+    pairs += [(f"rewards/{name}/mean", row.get(f"reward_{name}")) for name in reward_names]
+    finished = row.get("finished_fraction")
+    if _is_number(finished):
+        pairs.append(("completions/clipped_ratio", 1.0 - finished))
+    return {tag: value for tag, value in pairs if _is_number(value)}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def to_json_safe(value: Any) -> Any:
@@ -124,7 +152,8 @@ def _gpu_memory() -> dict[str, float]:
 
 
 class MetricsLogger:
-    """Appends one row per optimizer step to `run_dir/metrics.jsonl`, mirrored to TensorBoard/W&B if asked.
+    """Appends one row per optimizer step to `run_dir/metrics.jsonl`, mirrored to TensorBoard/W&B if asked
+    (with `aliases(row)`'s extra names there, e.g. trl_aliases).
 
     Each row is flushed when logged, so a crash loses at most the row being written. With
     `resume_step=N` the file is first rewritten (atomically) to keep only rows with step <= N,
@@ -139,6 +168,7 @@ class MetricsLogger:
         resume_step: int | None = None,
         config: dict | None = None,
         required: tuple[str, ...] = REQUIRED_FIELDS,
+        aliases: Callable[[dict], dict[str, float]] | None = None,
     ) -> None:
         unknown = sorted(set(report_to) - set(REPORT_TO_CHOICES))
         if unknown:
@@ -146,6 +176,7 @@ class MetricsLogger:
                 f"report_to has unknown entries {unknown}; choose from {list(REPORT_TO_CHOICES)}"
             )
         self.required = required
+        self.aliases = aliases  # row -> {other name: value}, for TensorBoard/W&B only (trl_aliases)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -197,13 +228,16 @@ class MetricsLogger:
         logging.getLogger(STEP_LOGGER).info(_step_line(safe))
         self._file.write(json.dumps(safe, allow_nan=False) + "\n")
         self._file.flush()
+        extra = {}
+        if self.aliases is not None and (self._tb_writer is not None or self._wandb is not None):
+            extra = {k: v for k, v in self.aliases(safe).items() if k not in safe}
         if self._tb_writer is not None:
-            for key, value in safe.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            for key, value in {**safe, **extra}.items():
+                if key != "step" and _is_number(value):
                     self._tb_writer.add_scalar(key, value, global_step=step)
             self._tb_writer.flush()
         if self._wandb is not None:
-            self._wandb.log(safe, step=step)
+            self._wandb.log({**safe, **extra}, step=step)
 
     def close(self) -> None:
         if not self._file.closed:

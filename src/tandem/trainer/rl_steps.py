@@ -40,7 +40,7 @@ from tandem.trainer.batching import (
     split_micro_batches,
 )
 from tandem.trainer.experience import LocalExperience, RemoteExperience
-from tandem.trainer.metrics import MetricsLogger, write_samples
+from tandem.trainer.metrics import MetricsLogger, trl_aliases, write_samples
 from tandem.transport.pacing import publishes_at
 from tandem.types import Group
 
@@ -127,7 +127,7 @@ class Batch:
 class RankBatches:
     """Batches of groups for every rank. Rank 0 takes `prompts_per_step` groups from the experience,
     makes samples (flatten_groups: advantages rescaled per `scale_rewards`, zero-variance groups
-    skipped or not) and tells the experience how many optimizer steps they make (the samplers'
+    skipped or not, truncated completions masked out of the loss or not) and tells the experience how many optimizer steps they make (the samplers'
     pacing); then every rank receives its shares, with the version of the weights the batch was
     taken with (Share.weights_version)."""
 
@@ -142,10 +142,14 @@ class RankBatches:
         scale_rewards: str,
         adv_eps: float,
         skip_zero_variance: bool,
+        mask_truncated: bool = False,
     ):
         self.cfg, self.env, self.experience, self.num_iterations = cfg, env, experience, num_iterations
         self.advantages = dict(
-            scale_rewards=scale_rewards, adv_eps=adv_eps, skip_zero_variance=skip_zero_variance
+            scale_rewards=scale_rewards,
+            adv_eps=adv_eps,
+            skip_zero_variance=skip_zero_variance,
+            mask_truncated=mask_truncated,
         )
         full_batch = cfg.prompts_per_step * cfg.sampling.num_generations
         self.steps_per_batch = batch_steps(cfg.training, full_batch, num_iterations, env.world_size)
@@ -245,8 +249,15 @@ class StepRecord:
         self, cfg: Config, env: DistEnv, step: int, *, desc: str, postfix, save: Callable[[int], None]
     ):
         self.cfg, self.env, self.tc, self.postfix, self.save = cfg, env, cfg.training, postfix, save
+        reward_names = [spec.resolved_name for spec in cfg.rewards]
         self.logger = (
-            MetricsLogger(cfg.run_dir, self.tc.report_to, resume_step=step, config=config_to_dict(cfg))
+            MetricsLogger(
+                cfg.run_dir,
+                self.tc.report_to,
+                resume_step=step,
+                config=config_to_dict(cfg),
+                aliases=lambda row: trl_aliases(row, reward_names),  # TensorBoard/W&B dashboards of TRL
+            )
             if env.is_main
             else None
         )
@@ -321,7 +332,10 @@ class StepRecord:
 def summarize_groups(groups: list[Group]) -> dict:
     """A step's reward and length statistics. Reward statistics skip what does not apply: reward_mean
     and reward_std are over the scored completions (Completion.scored), each `reward_<name>` mean and
-    accuracy over the completions where that component is not None; null where none is."""
+    accuracy over the completions where that component is not None; null where none is.
+    finished_fraction: the completions that sampled EOS (1 - it: those cut at max_new_tokens, TRL's
+    completions/clipped_ratio); zero_variance_groups counts the groups whose scored rewards are all
+    equal (no learning signal), frac_reward_zero_std is their fraction of the groups."""
     completions = [c for g in groups for c in g.completions]
     rewards = [c.reward for c in completions if c.scored]
     lengths = [len(c.generated_token_ids) for c in completions]
@@ -344,6 +358,7 @@ def summarize_groups(groups: list[Group]) -> dict:
         "completion_length_mean": statistics.fmean(lengths),
         "finished_fraction": sum(c.is_finished for c in completions) / len(completions),
         "zero_variance_groups": sum(len(set(g.scored_rewards)) <= 1 for g in groups),
+        "frac_reward_zero_std": sum(len(set(g.scored_rewards)) <= 1 for g in groups) / len(groups),
         "completions_unscored": len(completions) - len(rewards),
     }
     for name in completions[0].reward_info:
