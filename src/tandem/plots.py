@@ -248,6 +248,18 @@ FIGURES = {
     "accuracy.png": _plot_accuracy,
     "kl.png": _single("kl", "KL to reference", "kl"),
     "completion_length.png": _single("completion_length_mean", "completion length", "tokens"),
+    # a collapsing policy's entropy falls towards 0, an exploding one's climbs
+    "entropy.png": _single("entropy", "policy entropy on completion tokens", "nats"),
+    "clipping.png": _overlay(
+        ("clip_ratio_low", "clip_ratio_high"), "clipped (low: A < 0, high: A > 0)", "fraction"
+    ),
+    # grpo.dynamic_sampling: what the batches cost beyond the groups trained on
+    "dynamic_sampling.png": _overlay(
+        ("groups_filtered", "generation_overhead", "zero_variance_groups"),
+        "dynamic sampling",
+        "per step",
+        needs="groups_filtered",
+    ),
     "loss.png": _plot_loss,
     "timing.png": _plot_timing,
     # sft, rm, dpo and ppo runs
@@ -297,6 +309,7 @@ def plot_run(run_dir: Path, out_dir: Path | None = None, *, smooth: int = 0) -> 
 COMPARE = (
     ("compare_accuracy.png", ("answer_accuracy",), "answer accuracy", (-0.02, 1.02), True),
     ("compare_reward.png", ("reward_mean",), "reward", None, True),
+    ("compare_entropy.png", ("entropy",), "policy entropy", None, True),
     ("compare_loss.png", ("loss",), "training loss", None, False),
     ("compare_eval_loss.png", ("eval_loss",), "held-out loss", None, False),
     ("compare_eval_perplexity.png", ("eval_perplexity",), "held-out perplexity", None, False),

@@ -300,3 +300,24 @@ def test_held_out_evaluations_are_points_at_their_version(tmp_path):
     (held_out,) = [line for line in fig.axes[0].lines if "held out" in line.get_label()]
     np.testing.assert_allclose(held_out.get_xdata(), [0.0, 2.0])
     np.testing.assert_allclose(held_out.get_ydata(), [0.1, 0.5])
+
+
+def test_learning_signal_figures_appear_with_their_fields(tmp_path: Path):
+    """entropy, the split clip fractions and dynamic sampling's counts each get a figure once a run
+    logs them (GRPO rows since the variants landed); runs without them are unchanged (above)."""
+    run_dir = write_run(tmp_path / "signals")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    with (run_dir / "metrics.jsonl").open("w") as f:
+        for row in rows:
+            row.update(
+                entropy=2.0 - 0.05 * row["step"],
+                clip_ratio_low=0.01,
+                clip_ratio_high=0.02,
+                groups_filtered=row["step"] % 3,
+                generation_overhead=0.1 * (row["step"] % 3),
+            )
+            f.write(json.dumps(row) + "\n")
+    names = {p.name for p in plot_run(run_dir)}
+    assert names == ALL_FIGURES | {"entropy.png", "clipping.png", "dynamic_sampling.png"}
+    for name in ("entropy.png", "clipping.png", "dynamic_sampling.png"):
+        assert_png(run_dir / "plots" / name)
