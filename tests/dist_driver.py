@@ -30,8 +30,12 @@ from tandem.types import Completion, Group
 NUM_STEPS = 3
 
 
-def fixed_groups(step: int, num_groups: int, group_size: int, vocab: int) -> list[Group]:
-    """Seeded groups of uneven lengths (so the token balancing and padding have work to do)."""
+def fixed_groups(
+    step: int, num_groups: int, group_size: int, vocab: int, episodes: bool = False
+) -> list[Group]:
+    """Seeded groups of uneven lengths (so the token balancing and padding have work to do).
+    `episodes`: completions of 6 tokens or more are multi-turn episodes, a span of tool tokens
+    (policy_mask 0, log-probs 0 as a sampler sends them) after their first 2 tokens."""
     g = torch.Generator().manual_seed(1000 + step)
     groups = []
     for i in range(num_groups):
@@ -41,16 +45,24 @@ def fixed_groups(step: int, num_groups: int, group_size: int, vocab: int) -> lis
         completions = []
         for j in range(group_size):
             n = int(torch.randint(2, 12, (1,), generator=g))
+            old = -torch.rand(n, generator=g) * 3 - 3
+            ref = -torch.rand(n, generator=g) * 3 - 3
+            mask = None
+            if episodes and n >= 6:
+                mask = [1, 1] + [0] * min(3, n - 4) + [1] * (n - 2 - min(3, n - 4))
+                old[torch.tensor(mask) == 0] = 0.0
+                ref[torch.tensor(mask) == 0] = 0.0
             completions.append(
                 Completion(
                     text="",
                     generated_token_ids=torch.randint(3, vocab, (n,), generator=g).tolist(),
-                    old_policy_log_probs=-torch.rand(n, generator=g) * 3 - 3,
-                    ref_policy_log_probs=-torch.rand(n, generator=g) * 3 - 3,
+                    old_policy_log_probs=old,
+                    ref_policy_log_probs=ref,
                     reward=float(rewards[j]),
                     reward_info={},
                     advantage=float(advantages[j]),
                     is_finished=True,
+                    policy_mask=mask,
                 )
             )
         groups.append(
@@ -84,6 +96,8 @@ def sizes(model: torch.nn.Module, env) -> dict:
 
 def main() -> None:
     model_dir, out, *overrides = sys.argv[1:]
+    episodes = "--agent-episodes" in overrides  # multi-turn episodes with tool tokens (fixed_groups)
+    overrides = [o for o in overrides if o != "--agent-episodes"]
     cfg = load_config(None, [f"model.policy={model_dir}", "training.device=cpu", *overrides])
     tc = cfg.training
     device = torch.device("cpu")
@@ -101,7 +115,11 @@ def main() -> None:
         samples = []
         if env.is_main:
             groups = fixed_groups(
-                step, cfg.grpo.prompts_per_step, cfg.sampling.num_generations, model.config.vocab_size
+                step,
+                cfg.grpo.prompts_per_step,
+                cfg.sampling.num_generations,
+                model.config.vocab_size,
+                episodes,
             )
             samples = flatten_groups(groups, scale_rewards="group", adv_eps=1e-4, skip_zero_variance=False)
             if step == poison:

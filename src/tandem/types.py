@@ -49,6 +49,10 @@ class Completion:
     old_policy_log_probs: torch.Tensor
     ref_policy_log_probs: torch.Tensor | None
     advantage: float = 0.0
+    # a multi-turn episode (agentic RL): 1 for each token the policy sampled, 0 for the tool and
+    # environment tokens between its turns (their log-probs are 0 and the loss never sees them).
+    # None: every token is the policy's (a single-turn completion)
+    policy_mask: list[int] | None = None
 
     @property
     def scored(self) -> bool:

@@ -142,6 +142,55 @@ def test_two_ranks_equal_one_rank(reference, tiny_model_dir, tmp_path, strategy)
     assert_same(params, ref_params, " ".join(strategy))
 
 
+@pytest.fixture(scope="module")
+def episode_reference(tiny_model_dir, tmp_path_factory):
+    """The reference run on multi-turn episodes: tool tokens between the policy's turns."""
+    tmp = tmp_path_factory.mktemp("episodes")
+    return run_driver(
+        tmp,
+        tiny_model_dir,
+        "none",
+        1,
+        "--agent-episodes",
+        "training.distributed_strategy=none",
+        "training.micro_batch_size=4",
+        "training.gradient_accumulation_steps=4",
+    )
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["training.distributed_strategy=ddp"],
+        ["training.distributed_strategy=deepspeed", "training.zero_stage=3"],
+    ],
+    ids=["ddp", "zero3"],
+)
+def test_episodes_with_tool_tokens_two_ranks_equal_one_rank(
+    reference, episode_reference, tiny_model_dir, tmp_path, strategy
+):
+    """Agent groups (a per-token policy mask) on 2 ranks, DDP and ZeRO-3: the same update as one
+    process, and the masks are in force (the episode run's losses differ from the plain one's)."""
+    if "deepspeed" in strategy[0]:
+        pytest.importorskip("deepspeed")
+    ref_params, ref_record = episode_reference
+    params, record = run_driver(
+        tmp_path,
+        tiny_model_dir,
+        "two",
+        2,
+        "--agent-episodes",
+        *strategy,
+        "training.micro_batch_size=4",
+        "training.gradient_accumulation_steps=2",
+    )
+    for row, ref_row in zip(record["rows"], ref_record["rows"]):
+        assert row["loss"] == pytest.approx(ref_row["loss"], rel=1e-5)
+        assert row["grad_norm"] == pytest.approx(ref_row["grad_norm"], rel=1e-5)
+    assert_same(params, ref_params, " ".join(strategy) + " (episodes)")
+    assert [r["loss"] for r in ref_record["rows"]] != [r["loss"] for r in reference[1]["rows"]]
+
+
 def test_zero2_one_rank_and_micro_batch_cuts(reference, tiny_model_dir, tmp_path):
     """ZeRO-2 on one rank with micro-batch 1 x accumulation 16 == plain micro-batch 4 x accumulation 4."""
     pytest.importorskip("deepspeed")

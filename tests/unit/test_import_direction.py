@@ -13,6 +13,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "tandem"
 TIERS: list[tuple[str, ...]] = [
     ("types", "atomic", "runlog", "config"),  # the shared vocabulary, the config tree
     ("algorithms", "data"),  # the pure core; data sets and prompt formats
+    ("agent", "tools"),  # tools and environments an episode calls, their calls and results; built-in tools
     ("models", "transport"),  # loading, forwards, LoRA; the wire and the sockets
     ("distributed", "rewards"),  # engines and the process group; reward functions and reward models
     ("sampler",),  # generation and rollouts (the trainer runs one in colocated mode)

@@ -178,6 +178,7 @@ def test_schema_covers_every_record_field():
     # key made optional); `filtered` is written only when set (dynamic sampling)
     group = make_group()
     group.filtered = {"groups": 1, "tokens": 2}
+    group.completions[0].policy_mask = [1] * len(group.completions[0].generated_token_ids)
     header = json.loads(bytes(encode_group(group)[0]))
     assert set(header) == {f.name for f in dataclasses.fields(Group)} | {"schema", "kind"}
     assert set(header["completions"][0]) == {f.name for f in dataclasses.fields(Completion)}
@@ -772,3 +773,50 @@ def test_a_message_of_too_many_frames_is_refused_before_any_is_looked_at():
     with pytest.raises(WireError, match="200000 frames, at most") as err:
         decode_group([frames[0], *[b""] * 199_999])
     assert err.value.reason == "frames"
+
+
+# ----------------------------------------------------------------------------- episodes (agentic RL)
+
+
+def test_an_episodes_policy_mask_travels_and_single_turn_completions_carry_none():
+    group = make_group()
+    assert "policy_mask" not in bytes(encode_group(group)[0]).decode()  # single-turn: as before
+    n = len(group.completions[1].generated_token_ids)
+    group.completions[1].policy_mask = [1, 1, 0, 0] + [1] * (n - 4)
+    back = decode_group(encode_group(group))
+    assert back.completions[1].policy_mask == group.completions[1].policy_mask
+    assert back.completions[0].policy_mask is None and back.completions[2].policy_mask is None
+
+
+@pytest.mark.parametrize(
+    ("mask", "match"),
+    [([1, 2, 0, 1, 1, 1], "only 0 and 1"), ([1, 0], "6 zeros and ones"), ([0.5] * 6, "zeros and ones")],
+)
+def test_a_bad_policy_mask_is_refused_when_sent(mask, match):
+    group = make_group()
+    group.completions[1].policy_mask = mask
+    with pytest.raises(WireError, match=match):
+        encode_group(group)
+
+
+def test_a_hostile_policy_mask_is_dropped_on_arrival():
+    group = make_group()
+    n = len(group.completions[0].generated_token_ids)
+    group.completions[0].policy_mask = [1] * n
+    frames = [bytes(f) for f in encode_group(group)]
+    header = json.loads(frames[0])
+    frame = header["completions"][0]["policy_mask"]["frame"]
+    bad = list(frames)
+    bad[frame] = bytes([1, 7] + [1] * (n - 2))  # a value that is not 0 or 1
+    with pytest.raises(WireError, match="only 0 and 1"):
+        decode_group(bad)
+    short = json.loads(frames[0])
+    short["completions"][0]["policy_mask"]["shape"] = [n - 1]
+    bad = [json.dumps(short).encode(), *frames[1:]]
+    bad[frame] = bytes([1] * (n - 1))
+    with pytest.raises(WireError, match="policy_mask has"):
+        decode_group(bad)
+    wrong = json.loads(frames[0])
+    wrong["completions"][0]["policy_mask"]["dtype"] = "int32"
+    with pytest.raises(WireError, match="must be uint8"):
+        decode_group([json.dumps(wrong).encode(), *frames[1:]])

@@ -28,12 +28,19 @@ class Sample:
     old_logprobs: torch.Tensor | None = None
     # out of the loss and its normalisers (grpo.mask_truncated_completions: cut at max_new_tokens)
     masked: bool = False
+    # [T] bool: the policy's own tokens of a multi-turn episode (Completion.policy_mask); None: all
+    policy_mask: torch.Tensor | None = None
+
+    @property
+    def num_policy_tokens(self) -> int:
+        """The tokens the loss can see: every token, or the policy's of an episode."""
+        return len(self.completion_ids) if self.policy_mask is None else int(self.policy_mask.sum())
 
 
 @dataclass
 class MicroBatch:
     packed: PackedRows  # prompt + completions rows, completions in sample order
-    completion_mask: torch.Tensor  # [B, T]
+    completion_mask: torch.Tensor  # [B, T] the policy's tokens (an episode's tool tokens are 0)
     sampler_logprobs: torch.Tensor  # [B, T]
     ref_logprobs: torch.Tensor | None  # [B, T]
     advantages: torch.Tensor  # [B]
@@ -80,6 +87,9 @@ def flatten_groups(
                         index,
                         c.reward,
                         masked=mask_truncated and not c.is_finished,
+                        policy_mask=None
+                        if c.policy_mask is None
+                        else torch.tensor(c.policy_mask, dtype=torch.bool),
                     )
                 )
             k += 1
@@ -96,6 +106,9 @@ def collate(samples: list[Sample], pad_id: int = 0) -> MicroBatch:
     completion_lengths = torch.tensor([len(s.completion_ids) for s in samples])
     width = int(completion_lengths.max())
     mask = torch.arange(width)[None, :] < completion_lengths[:, None]
+    for i, s in enumerate(samples):  # an episode's tool and environment tokens: context, not targets
+        if s.policy_mask is not None:
+            mask[i, : len(s.policy_mask)] &= s.policy_mask
 
     def pad(rows: list[torch.Tensor]) -> torch.Tensor:
         out = torch.zeros(len(rows), width, dtype=torch.float32)
@@ -139,7 +152,7 @@ def loss_normalizer(samples: list[Sample], loss_agg: str) -> float:
     (token-mean) or sequences (the others). Masked samples (Sample.masked) are not in the loss, so
     not in the count: the update is as if they were not in the batch."""
     if loss_agg == "token-mean":
-        return float(sum(len(s.completion_ids) for s in samples if not s.masked))
+        return float(sum(s.num_policy_tokens for s in samples if not s.masked))
     return float(sum(not s.masked for s in samples))
 
 
@@ -190,6 +203,18 @@ def samples_to_tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
         "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
         "masked": ints(int(s.masked) for s in samples),
         "has_ref": ints([int(has_ref)]),
+        # 1 per completion token (all 1 for a sample without a mask), when any sample has one
+        "policy_mask": (
+            ints(
+                t
+                for s in samples
+                for t in (
+                    s.policy_mask.tolist() if s.policy_mask is not None else [1] * len(s.completion_ids)
+                )
+            )
+            if any(s.policy_mask is not None for s in samples)
+            else torch.zeros(0, dtype=torch.int64)
+        ),
     }
 
 
@@ -198,6 +223,7 @@ def samples_from_tensors(t: dict[str, torch.Tensor]) -> list[Sample]:
     prompt_ids, completion_ids = t["prompt_ids"].tolist(), t["completion_ids"].tolist()
     has_ref = bool(t["has_ref"][0])
     masked = t["masked"].tolist()
+    masks = t["policy_mask"].bool() if t["policy_mask"].numel() else None
     samples, p, c = [], 0, 0
     for i, (n_prompt, n_completion) in enumerate(zip(prompt_lengths, completion_lengths)):
         samples.append(
@@ -211,6 +237,7 @@ def samples_from_tensors(t: dict[str, torch.Tensor]) -> list[Sample]:
                 int(t["group_indices"][i]),
                 float(t["rewards"][i]),
                 masked=bool(masked[i]),
+                policy_mask=None if masks is None else masks[c : c + n_completion].clone(),
             )
         )
         p, c = p + n_prompt, c + n_completion

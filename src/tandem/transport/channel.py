@@ -195,8 +195,9 @@ class GroupReceiver:
         if rcvhwm < 1:
             raise ValueError(f"rcvhwm must be >= 1 (0 would mean an unbounded queue), got {rcvhwm}")
         self.max_bytes, self.limits = max_bytes, limits
-        # a group: header, prompt ids, and 3 arrays per completion
-        self._max_frames = 2 + 3 * limits.num_generations if limits is not None else MAX_GROUP_FRAMES
+        # a group: header, prompt ids, and up to 4 arrays per completion (tokens, old and reference
+        # log-probs, an episode's policy mask)
+        self._max_frames = 2 + 4 * limits.num_generations if limits is not None else MAX_GROUP_FRAMES
         self._drops, self._rejections = Drops(logger, address), Drops(logger, address)
         self.dropped: Counter[str] = self._drops.counts  # malformed messages, by WireError reason
         self.rejected: Counter[str] = self._rejections.counts  # well-formed groups the run cannot use

@@ -58,10 +58,10 @@ MAX_HEADER_BYTES = 8 * 2**20
 MAX_HEADER_OBJECTS_PER_FRAME = (
     16  # JSON objects a group header may hold: a floor of 1024, plus this per frame
 )
-MAX_GROUP_FRAMES = 2 + 3 * 1024  # header, prompt ids and 3 arrays per completion, G <= 1024
+MAX_GROUP_FRAMES = 2 + 4 * 1024  # header, prompt ids and up to 4 arrays per completion, G <= 1024
 
 # wire dtype -> little-endian numpy dtype; nothing outside this table is ever decoded
-_DTYPES = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4")}
+_DTYPES = {"int32": np.dtype("<i4"), "float32": np.dtype("<f4"), "uint8": np.dtype("u1")}
 _INT32_MAX = 2**31 - 1
 
 # the schema: exactly these keys, no more, no fewer (a change here is a SCHEMA_VERSION bump)
@@ -80,6 +80,8 @@ _COMPLETION_KEYS = frozenset(
     {"text", "is_finished", "reward", "reward_info", "advantage", "generated_token_ids"}
     | {"old_policy_log_probs", "ref_policy_log_probs"}
 )
+# a completion's optional keys: `policy_mask` (uint8 [T], agentic episodes; Completion.policy_mask)
+_COMPLETION_OPTIONAL_KEYS = frozenset({"policy_mask"})
 _DESCRIPTOR_KEYS = frozenset({"frame", "dtype", "shape"})
 _CONTROL_KEYS = frozenset({"schema", "kind", "payload"})
 _CHUNK_KEYS = frozenset(
@@ -150,18 +152,19 @@ def encode_group(group: Group) -> list[bytes | memoryview]:
         old = _pack_logprobs(c.old_policy_log_probs, len(token_ids), f"{where}.old_policy_log_probs")
         ref = c.ref_policy_log_probs
         ref = None if ref is None else _pack_logprobs(ref, len(token_ids), f"{where}.ref_policy_log_probs")
-        header["completions"].append(
-            {
-                "text": _check_str(c.text, f"{where}.text"),
-                "is_finished": _check_bool(c.is_finished, f"{where}.is_finished"),
-                "reward": _finite(c.reward, f"{where}.reward"),
-                "reward_info": _reward_info(c.reward_info, f"{where}.reward_info"),
-                "advantage": _finite(c.advantage, f"{where}.advantage"),
-                "generated_token_ids": add(token_ids),
-                "old_policy_log_probs": add(old),
-                "ref_policy_log_probs": None if ref is None else add(ref),
-            }
-        )
+        entry = {
+            "text": _check_str(c.text, f"{where}.text"),
+            "is_finished": _check_bool(c.is_finished, f"{where}.is_finished"),
+            "reward": _finite(c.reward, f"{where}.reward"),
+            "reward_info": _reward_info(c.reward_info, f"{where}.reward_info"),
+            "advantage": _finite(c.advantage, f"{where}.advantage"),
+            "generated_token_ids": add(token_ids),
+            "old_policy_log_probs": add(old),
+            "ref_policy_log_probs": None if ref is None else add(ref),
+        }
+        if c.policy_mask is not None:  # left out for single-turn completions: those are as before
+            entry["policy_mask"] = add(_pack_mask(c.policy_mask, len(token_ids), f"{where}.policy_mask"))
+        header["completions"].append(entry)
     return [_dump_header(header), *arrays]
 
 
@@ -195,6 +198,17 @@ def _pack_token_ids(token_ids: Sequence[int], where: str) -> np.ndarray:
     if array.min() < 0 or array.max() > _INT32_MAX:
         raise WireError(f"{where} must lie in [0, 2**31), got values in [{array.min()}, {array.max()}]")
     return array.astype(_DTYPES["int32"])
+
+
+def _pack_mask(mask: Sequence[int], length: int, where: str) -> np.ndarray:
+    array = np.asarray(mask)
+    if array.shape != (length,) or (array.size and array.dtype.kind not in "iub"):
+        raise WireError(
+            f"{where} must be {length} zeros and ones (one per token), got {array.shape} {array.dtype}"
+        )
+    if array.size and not np.isin(array, (0, 1)).all():
+        raise WireError(f"{where} must hold only 0 and 1")
+    return array.astype(_DTYPES["uint8"])
 
 
 def _pack_logprobs(values: torch.Tensor, length: int, where: str) -> np.ndarray:
@@ -235,7 +249,7 @@ def decode_group(frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES) -
     for i, c in enumerate(raw_completions):
         if not isinstance(c, dict):
             raise WireError(f"completions[{i}] must be an object, got {_type(c)}")
-        _check_keys(c, _COMPLETION_KEYS, f"completions[{i}]")
+        _check_keys(c, _COMPLETION_KEYS, f"completions[{i}]", optional=_COMPLETION_OPTIONAL_KEYS)
 
     # every array descriptor in frame order, with the dtype its field requires
     slots = [("prefix_token_ids", header["prefix_token_ids"], "int32")]
@@ -244,6 +258,8 @@ def decode_group(frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES) -
         slots.append((f"completions[{i}].old_policy_log_probs", c["old_policy_log_probs"], "float32"))
         if c["ref_policy_log_probs"] is not None:
             slots.append((f"completions[{i}].ref_policy_log_probs", c["ref_policy_log_probs"], "float32"))
+        if "policy_mask" in c:
+            slots.append((f"completions[{i}].policy_mask", c["policy_mask"], "uint8"))
     arrays = _read_arrays(slots, views, max_bytes)
 
     prefix_ids = _token_ids(arrays["prefix_token_ids"], "prefix_token_ids")
@@ -524,7 +540,18 @@ def _completion(c: dict, i: int, arrays: dict) -> Completion:
         ref = _logprobs(
             arrays[f"{where}.ref_policy_log_probs"], len(token_ids), f"{where}.ref_policy_log_probs"
         )
+    mask = None
+    if "policy_mask" in c:
+        mask_array = arrays[f"{where}.policy_mask"]
+        if mask_array.shape[0] != len(token_ids):
+            raise WireError(
+                f"{where}.policy_mask has {mask_array.shape[0]} values for {len(token_ids)} tokens"
+            )
+        if mask_array.size and mask_array.max() > 1:
+            raise WireError(f"{where}.policy_mask must hold only 0 and 1")
+        mask = mask_array.tolist()
     return Completion(
+        policy_mask=mask,
         text=_check_str(c["text"], f"{where}.text"),
         generated_token_ids=token_ids,
         is_finished=_check_bool(c["is_finished"], f"{where}.is_finished"),
