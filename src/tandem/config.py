@@ -762,6 +762,40 @@ class PipelineConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Agentic RL: multi-turn episodes with tools (sampler/episodes.py). Off while both tools and
+    environment are unset: then a rollout is one completion per prompt, as always."""
+
+    # TRL tool functions by import path ("pkg.mod:function"): schema from signature and docstring
+    tools: list[str] = field(default_factory=list)
+    # a TRL environment_factory class ("pkg.mod:Class"): one instance per episode, reset(**row),
+    # its public methods are tools, get_reward() (when defined) scores the finished episode
+    environment: str | None = None
+    max_turns: int = 4  # assistant turns per episode (the last one gets no tool results)
+    # the episode's tokens after the prompt (the policy's and the tools'); null: max_new_tokens x max_turns
+    max_episode_tokens: int | None = None
+    tool_timeout_s: float = 10.0  # per call; a call past it answers with an error
+    max_tool_response_tokens: int = 256  # a tool result is cut to this many tokens
+    tool_call_format: Literal["hermes"] = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    max_tool_workers: int = 8  # threads for sync tools, shared by a batch's episodes
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools) or self.environment is not None
+
+    def check(self, key: str = "agent") -> None:
+        _check(
+            self,
+            key,
+            max_turns=_at_least(1),
+            max_episode_tokens=(lambda v: v is None or v >= 1, ">= 1 (null: max_new_tokens x max_turns)"),
+            tool_timeout_s=_above(0),
+            max_tool_response_tokens=_at_least(1),
+            max_tool_workers=_at_least(1),
+        )
+
+
+@dataclass
 class EvalConfig:
     """`eval`: held-out evaluation during a GRPO/PPO run, every `steps` policy versions (0 = off) and
     once before training, with the run's own rewards as the scorers (sampler/evaluation.py).
@@ -817,6 +851,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -847,8 +882,10 @@ class Config:
             )
         _check(self, "", seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"))
         sections = (self.model, self.data, self.sampling, self.grpo, self.sft, self.rm, self.dpo, self.ppo)
-        for section in (*sections, self.training, self.pipeline, self.eval):
+        for section in (*sections, self.training, self.pipeline, self.eval, self.agent):
             section.check()
+        if self.agent.enabled:
+            _check_agent(self)
         if self.method == "grpo" and self.sampling.num_generations < 2:
             raise ConfigError(
                 f"`sampling.num_generations` is {self.sampling.num_generations}; GRPO needs >= 2 "
@@ -895,6 +932,17 @@ def _check_ppo_prompts(cfg: Config) -> None:
             f"`ppo.prompts_per_step` is {own} and `grpo.prompts_per_step` is {old}; PPO reads "
             "ppo.prompts_per_step (grpo.prompts_per_step is its older name): drop grpo.prompts_per_step "
             "or set both to the same number"
+        )
+
+
+def _check_agent(cfg: Config) -> None:
+    """What agent runs do not support yet, refused with the reason rather than run half-right."""
+    if cfg.method != "grpo":
+        raise ConfigError(f"`agent` is set for method {cfg.method}; multi-turn episodes train with GRPO only")
+    if cfg.sampling.backend != "tandem":
+        raise ConfigError(
+            "`agent` is set with sampling.backend=vllm; episodes run on the built-in engine for now: "
+            "set sampling.backend=tandem"
         )
 
 

@@ -16,6 +16,7 @@ from tandem.config import ConfigError, load_config
 from tandem.models.loading import load_tokenizer
 from tandem.preflight import check_run
 from tandem.trainer.grpo import train_grpo
+from tandem.transport.channel import free_tcp_port
 
 QUESTIONS = [
     ("What is 2 + 3?", "5"),
@@ -181,6 +182,8 @@ def test_decoupled_eval_is_made_by_the_sampler_and_logged_by_the_trainer(tiny_mo
         "training.max_steps=4",
         "pipeline.mode=decoupled",
         "pipeline.max_staleness=0",
+        f"pipeline.data_port={free_tcp_port()}",  # not the defaults: another run may hold them
+        f"pipeline.sync_port={free_tcp_port()}",
         "eval.steps=2",
         f"eval.dataset={data}",
         "eval.split=train",

@@ -24,6 +24,7 @@ from tandem.config import RewardSpec
 from tandem.data.prompts import PromptStyle, build_messages, worked_shots
 from tandem.rewards.registry import RewardSet
 from tandem.sampler.rollout import Rollout
+from tandem.transport.channel import free_tcp_port
 from tandem.types import Example
 
 SYSTEM = "Think inside <think></think>, then give the answer in \\boxed{}."
@@ -207,6 +208,9 @@ def test_runs_with_trl_rewards_on_a_chat_file(tiny_model_dir, tmp_path, how) -> 
         "training.save_steps=0",
         "training.sample_log_steps=1",
         f"pipeline.mode={mode or 'colocated'}",
+        # ports of its own: another run on this machine (a benchmark) may hold the defaults
+        f"pipeline.data_port={free_tcp_port()}",
+        f"pipeline.sync_port={free_tcp_port()}",
     ]
     proc = subprocess.run(
         [sys.executable, "-m", "tandem.cli", *argv],

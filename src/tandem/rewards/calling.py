@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 BATCH_ARGS = ("prompts", "completions", "completion_ids")  # what the convention passes besides the columns
 # what TRL's trainer also passes, and tandem does not: its TrainerState, the hooks into its completions
 # table and metrics, its tool environments. A function that requires one cannot run here.
-NOT_PASSED = ("trainer_state", "log_extra", "log_metric", "environments")
+NOT_PASSED = ("trainer_state", "log_extra", "log_metric")
 SHOWN_CHARS = 60  # of a completion, in error messages
 
 Convention = Literal["batch", "per_item"]
@@ -96,6 +96,8 @@ class RewardBatch:
     completions: list[str | list[dict]]
     completion_ids: list[list[int]]
     columns: dict[str, list]
+    # agent runs: each episode's environment instance (passed as `environments`), else None
+    environments: list | None = None
 
     @classmethod
     def build(
@@ -104,7 +106,11 @@ class RewardBatch:
         examples: list[Example],
         completion_ids: list[list[int]],
         prompts: list[str | list[dict]],
+        completions: list[list[dict]] | None = None,
+        environments: list | None = None,
     ) -> RewardBatch:
+        """`completions`: an agent run's episodes as messages (TRL's convention for tool use); by
+        default each text as the convention passes a single-turn completion."""
         if not len(texts) == len(examples) == len(completion_ids) == len(prompts):
             raise ValueError(
                 f"a reward batch needs one example, token-id list and prompt per completion: {len(texts)} "
@@ -119,13 +125,20 @@ class RewardBatch:
                         "convention passes itself; rename that column"
                     )
                 names.setdefault(name)
-        completions = [
-            [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
-            for text, prompt in zip(texts, prompts)
-        ]
+        if completions is None:
+            completions = [
+                [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+                for text, prompt in zip(texts, prompts)
+            ]
         columns = {name: [ex.columns.get(name) for ex in examples] for name in names}
         return cls(
-            texts, examples, list(prompts), completions, [list(ids) for ids in completion_ids], columns
+            texts,
+            examples,
+            list(prompts),
+            list(completions),
+            [list(ids) for ids in completion_ids],
+            columns,
+            environments,
         )
 
     def kwargs(self) -> dict[str, Any]:
@@ -134,6 +147,7 @@ class RewardBatch:
             prompts=self.prompts,
             completions=self.completions,
             completion_ids=self.completion_ids,
+            **({"environments": self.environments} if self.environments is not None else {}),
             **self.columns,
         )
 

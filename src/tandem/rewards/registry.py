@@ -19,6 +19,7 @@ from tandem.data.prompts import build_messages
 from tandem.rewards.calling import (
     Convention,
     RewardBatch,
+    RewardError,
     batch_call,
     call_all,
     convention,
@@ -189,6 +190,8 @@ class RewardSet:
         completion_ids: list[list[int]],
         *,
         prompts: list[str | list[dict]] | None = None,
+        completions: list[list[dict]] | None = None,
+        environments: list | None = None,
     ) -> list[tuple[float, dict[str, float | None]]]:
         """(sum of weight * value over the components that apply, {name: unweighted value or None}) of
         each response (prefill + generated text), with the example it answers, its generated token
@@ -196,7 +199,7 @@ class RewardSet:
         when a reward raises or returns something other than a number or None per completion."""
         if prompts is None:
             prompts = [default_prompt(ex) for ex in examples]
-        batch = RewardBatch.build(responses, examples, completion_ids, prompts)
+        batch = RewardBatch.build(responses, examples, completion_ids, prompts, completions, environments)
         values = call_all([(c.label, c.call) for c in self._components], batch)
         scored = []
         for i in range(len(responses)):
@@ -208,6 +211,17 @@ class RewardSet:
             scored.append((total, info))
         self._warn_unscored(batch, [info for _, info in scored])
         return scored
+
+    def add_environment_reward(self, name: str) -> None:
+        """An environment class with get_reward(): each episode scored by its own instance, weight 1,
+        under the class's name (as TRL adds it)."""
+
+        def call(batch: RewardBatch) -> list:
+            if batch.environments is None:
+                raise RewardError(f"reward {name} needs the episodes' environments, and this batch has none")
+            return [env.get_reward() for env in batch.environments]
+
+        self._components.append(_Component(name, 1.0, call, f"{name} (environment get_reward)"))
 
     def _warn_unscored(self, batch: RewardBatch, infos: list[dict[str, float | None]]) -> None:
         unscored = [i for i, info in enumerate(infos) if all(v is None for v in info.values())]

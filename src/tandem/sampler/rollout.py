@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.algorithms.grpo import group_advantages
-from tandem.config import Config
+from tandem.config import Config, ConfigError
 from tandem.data.prompts import (
     PromptStyle,
     example_messages,
@@ -34,7 +34,8 @@ from tandem.models.loading import (
 )
 from tandem.models.lora import BaseOfAdapter, apply_lora, is_lora
 from tandem.rewards.registry import RewardSet
-from tandem.sampler.generation import generate_groups
+from tandem.sampler.episodes import EpisodeRunner, Episodes, hermes_system_block
+from tandem.sampler.generation import Generation, generate_groups
 from tandem.sampler.vllm_engine import VLLMEngine
 from tandem.types import Completion, Example, Group
 
@@ -78,6 +79,8 @@ class Rollout:
     # sampler's own copy of the policy (the same weights), to measure the engine's log-prob gap
     engine_check_groups: int = 1
     engine_gap: dict | None = None  # the last batch's measure (engine_logprob_* fields), None without
+    # agent.*: a rollout is a multi-turn episode with tools (sampler/episodes.py)
+    agent: EpisodeRunner | None = None
     timings: RolloutTimings = field(default_factory=RolloutTimings)
     _prompt_cache: dict = field(default_factory=dict)
 
@@ -88,7 +91,15 @@ class Rollout:
         """(text, token ids) the model continues; rendered once per distinct prompt."""
         key = example.question if example.prompt is None else repr(example.prompt)
         if key not in self._prompt_cache:
-            text = render_example(self.tokenizer, example, self.style(example))
+            if self.agent is not None:  # the tools offered in the prompt
+                messages = example_messages(example, self.style(example))
+                if isinstance(messages, str):
+                    text = f"{hermes_system_block(self.agent.schemas)}\n\n{messages}"
+                else:
+                    text = self.agent.render(messages)
+                text += self.style(example).prefill
+            else:
+                text = render_example(self.tokenizer, example, self.style(example))
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             self._prompt_cache[key] = (text, ids)
         return self._prompt_cache[key]
@@ -114,7 +125,24 @@ class Rollout:
             top_p=self.top_p,
             generator=self.generator,
         )
-        if self.engine is not None:
+        episodes = None
+        if self.agent is not None:
+            episodes = self.agent.run(
+                lambda ids, g, n: generate_groups(
+                    self.policy,
+                    ids,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    batch_size=self.batch_size,
+                    **{**sampling, "num_generations": g, "max_new_tokens": n},
+                ),
+                examples,
+                self.prompt,
+                self.num_generations,
+                self.max_new_tokens,
+            )
+            prompts = list(zip(episodes.prompt_texts, episodes.prompts))
+            gen = Generation(episodes.token_ids, episodes.logprobs, episodes.finished)
+        elif self.engine is not None:
             gen = self.engine.generate([ids for _, ids in prompts], **sampling)
         else:
             gen = generate_groups(
@@ -131,21 +159,39 @@ class Rollout:
         prompt_ids = [ids for _, ids in prompts for _ in range(self.num_generations)]
         self.engine_gap = self.measure_engine(prompt_ids, gen) if self.engine is not None else None
         ref_logprobs = self.reference_logprobs(prompt_ids, gen.token_ids)
+        if (
+            ref_logprobs is not None and episodes is not None
+        ):  # tool tokens carry log-prob 0, as the sampler's
+            for i, mask in enumerate(episodes.policy_masks):
+                if mask is not None:
+                    ref_logprobs[i][torch.tensor(mask) == 0] = 0.0
         trim_memory()
         timings.reference = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         completions = []
-        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in gen.token_ids]
-        # all at once, in TRL's convention: each reward is called once for the whole batch
         G = self.num_generations
         reward_prompts = [self.reward_prompt(ex) for ex in examples]
-        prefills = [self.style(examples[i // G]).prefill for i in range(len(texts))]
+        prefills = [self.style(examples[i // G]).prefill for i in range(len(gen.token_ids))]
+        if episodes is None:
+            texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in gen.token_ids]
+            responses = [prefill + text for prefill, text in zip(prefills, texts)]
+            episode_messages = environments = None
+        else:  # rewards read the episode's messages; the built-in rules its last answer
+            texts = [conversation_text(m) for m in episodes.messages]
+            responses = [
+                last_answer(m, prefill, turns)
+                for m, prefill, turns in zip(episodes.messages, prefills, episodes.turns)
+            ]
+            episode_messages, environments = episodes.messages, episodes.environments
+        # all at once, in TRL's convention: each reward is called once for the whole batch
         scored = self.rewards.score_batch(
-            [prefill + text for prefill, text in zip(prefills, texts)],
+            responses,
             [examples[i // G] for i in range(len(texts))],
             gen.token_ids,
             prompts=[reward_prompts[i // G] for i in range(len(texts))],
+            completions=episode_messages,
+            environments=environments,
         )
         for i, (token_ids, text, (reward, info)) in enumerate(zip(gen.token_ids, texts, scored)):
             completions.append(
@@ -157,6 +203,7 @@ class Rollout:
                     reward_info=info,
                     old_policy_log_probs=torch.tensor(gen.logprobs[i], dtype=torch.float32),
                     ref_policy_log_probs=None if ref_logprobs is None else ref_logprobs[i],
+                    policy_mask=None if episodes is None else episodes.policy_masks[i],
                 )
             )
         # group statistics live here; batch scaling (if chosen) is redone by the trainer
@@ -194,6 +241,7 @@ class Rollout:
                     **ex.metadata,
                     "prefill": self.style(ex).prefill,
                     **({"columns": loggable_columns(ex.columns)} if ex.columns else {}),
+                    **({"agent": episode_stats(episodes, j, G)} if episodes is not None else {}),
                 },
                 timings=dict(share),
             )
@@ -251,6 +299,40 @@ class Rollout:
             lengths = [len(c) for _, cs in rows for c in cs]
             out += [logprobs[k, :n].clone() for k, n in enumerate(lengths)]
         return out
+
+
+def conversation_text(messages: list[dict]) -> str:
+    """An episode as the sample logs show it: each turn with its role (and tool name)."""
+    parts = []
+    for m in messages:
+        who = m["role"] if m["role"] != "tool" else f"tool {m.get('name', '')}".rstrip()
+        parts.append(f"[{who}] {m['content']}")
+    return "\n".join(parts)
+
+
+def last_answer(messages: list[dict], prefill: str, turns: int) -> str:
+    """What the built-in rules score in an episode: its last assistant turn (with the prefill when
+    the episode is that one turn, as a single-turn completion is scored)."""
+    answer = next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
+    return prefill + answer if turns <= 1 else answer
+
+
+def episode_stats(episodes: Episodes, group: int, G: int) -> dict:
+    """One group's episode counts, carried in its metadata to the trainer's row (episode_fields)."""
+    span = range(group * G, (group + 1) * G)
+    errors: dict[str, int] = {}
+    for e in span:
+        for kind, n in episodes.tool_errors[e].items():
+            errors[kind] = errors.get(kind, 0) + n
+    return {
+        "episodes": G,
+        "turns": sum(episodes.turns[e] for e in span),
+        "tool_calls": sum(episodes.tool_calls[e] for e in span),
+        "tool_errors": errors,
+        "tool_seconds": sum(episodes.tool_seconds[e] for e in span),
+        "tokens": sum(len(episodes.token_ids[e]) for e in span),
+        "truncated": sum(episodes.truncated[e] for e in span),
+    }
 
 
 class OffloadedModel:
@@ -327,11 +409,14 @@ def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_
         reference = OffloadedModel(load_reference) if cfg.model.reference_offload else load_reference()
         if cfg.model.reference:
             check_same_tokenizer(tokenizer, load_tokenizer(cfg.model.reference))
+    rewards = RewardSet.from_specs(cfg.rewards, device=device, max_new_tokens=cfg.sampling.max_new_tokens)
+    agent = build_agent(cfg, tokenizer, rewards) if cfg.agent.enabled else None
     return Rollout(
         policy=rollout_model,
         reference=reference,
         tokenizer=tokenizer,
-        rewards=RewardSet.from_specs(cfg.rewards, device=device, max_new_tokens=cfg.sampling.max_new_tokens),
+        rewards=rewards,
+        agent=agent,
         question_style=prompt_style(cfg.data, from_question=True),
         row_style=prompt_style(cfg.data, from_question=False),
         num_generations=cfg.sampling.num_generations,
@@ -348,6 +433,22 @@ def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_
         engine=engine,
         engine_check_groups=cfg.sampling.vllm.check_groups,
     )
+
+
+def build_agent(cfg: Config, tokenizer, rewards: RewardSet) -> EpisodeRunner:
+    """agent.*: the run's tools and environment class, loaded and checked now (a bad one is a
+    ConfigError naming the key); an environment with get_reward() scores episodes, weight 1."""
+    from tandem.agent.tools import ToolSpecError, load_environment, load_tools
+
+    try:
+        tools = load_tools(cfg.agent.tools)
+        environment = load_environment(cfg.agent.environment) if cfg.agent.environment else None
+        runner = EpisodeRunner(cfg.agent, tokenizer, tools, environment)
+    except ToolSpecError as err:
+        raise ConfigError(f"`agent`: {err}") from err
+    if environment is not None and environment.has_reward:
+        rewards.add_environment_reward(environment.cls.__name__)
+    return runner
 
 
 COLUMN_TEXT_CHARS = 2000  # a column's text in a group's metadata (sample logs), at most

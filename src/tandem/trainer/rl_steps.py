@@ -27,6 +27,7 @@ from tandem.distributed.batches import pad_micro_batches
 from tandem.distributed.env import DistEnv, broadcast_after_waits, keep_alive, scatter_tensor_dicts
 from tandem.distributed.runtime import peak_rss_gb
 from tandem.sampler.dynamic import GroupFilter, max_extra_prompts
+from tandem.sampler.episodes import episode_fields
 from tandem.sampler.evaluation import Evaluator
 from tandem.sampler.rollout import build_rollout
 from tandem.trainer import run
@@ -360,6 +361,7 @@ def summarize_groups(groups: list[Group]) -> dict:
         "zero_variance_groups": sum(len(set(g.scored_rewards)) <= 1 for g in groups),
         "frac_reward_zero_std": sum(len(set(g.scored_rewards)) <= 1 for g in groups) / len(groups),
         "completions_unscored": len(completions) - len(rewards),
+        **episode_fields(groups),  # agent runs: turns, tool calls and errors, episode lengths
     }
     for name in completions[0].reward_info:
         values = applied(name)
