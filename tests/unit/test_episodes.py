@@ -14,16 +14,7 @@ from tandem.config import AgentConfig
 from tandem.sampler.episodes import EpisodeRunner, episode_fields, hermes_system_block
 from tandem.sampler.generation import Generation
 from tandem.types import Example
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: the first
-        b: the second
-    """
-    return a + b
+from tiny_agent import add
 
 
 class Tally:

@@ -54,11 +54,12 @@ def tool_from_callable(fn: Callable[..., Any], where: str = "") -> Tool:
     return Tool(schema["function"]["name"], fn, schema, inspect.iscoroutinefunction(fn))
 
 
-def load_object(path: str, what: str) -> Any:
-    """The object "package.module:attr" names."""
+def load_object(path: str, what: str, form: str = "name") -> Any:
+    """The object "package.module:attr" names; ToolSpecError (a ValueError) saying what is wrong,
+    `what` naming the setting in the message and `form` the attribute in its example."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ToolSpecError(f"{what} {path!r} must look like 'package.module:name'")
+        raise ToolSpecError(f"{what} {path!r} must look like 'package.module:{form}'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

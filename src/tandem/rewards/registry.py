@@ -5,7 +5,6 @@ reward model (`type: model`), each with a weight. Every one is called in TRL's c
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import sys
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.agent.tools import load_object
 from tandem.config import ConfigError, RewardSpec, check_rewards, overlong_lengths
 from tandem.data.prompts import build_messages
 from tandem.rewards.calling import (
@@ -68,17 +68,9 @@ _BUILTINS: dict[str, Callable[[RewardSpec, int | None, str], Callable[[RewardBat
 
 def load_function(path: str) -> Callable:
     """Import the object "package.module:attr" names (a reward function, or a factory of one)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward function {path!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"reward function {path!r}: cannot import module {module_name!r} ({err})") from err
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"reward function {path!r}: module {module_name!r} has no attribute {attr!r}")
+    fn = load_object(path, "reward function", "function")
     if not callable(fn):
+        attr = path.partition(":")[2]
         raise ValueError(f"reward function {path!r}: {attr!r} is a {type(fn).__name__}, not a function")
     return fn
 
