@@ -1,4 +1,8 @@
-"""Built-in tools for agent runs (`agent.tools: ["tandem.tools:python"]`).
+"""Built-in tools for agent runs (`agent.tools: ["tandem.tools:calculator", "tandem.tools:python"]`).
+
+`calculator` evaluates arithmetic by walking its syntax tree (numbers, + - * / // % **, unary signs and
+parentheses, nothing else: no names, calls or attributes), with bounds on the expression's length and
+on exponents, so no input can run code or exhaust the sampler.
 
 `python` runs the policy's code in a separate, disposable process, because it is the first tool
 users reach for and the one that can hurt a host the most. The process:
@@ -21,7 +25,9 @@ set them before the run starts (e.g. in your own module that wraps `python`) to 
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import operator
 import os
 import shutil
 import signal
@@ -66,6 +72,50 @@ del ctypes, libc, resource, cpu, memory, nproc, fsize, drop, CLONE_NEWNET, CLONE
 sys.argv = ["main.py"]
 exec(compile(code, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
+
+
+MAX_EXPRESSION_CHARS = 200
+MAX_EXPONENT = 100
+_OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression and return its value.
+
+    Args:
+        expression: numbers with + - * / // % ** and parentheses, e.g. "(12 + 30) * 4"
+    """
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        return f"Error: the expression is longer than {MAX_EXPRESSION_CHARS} characters"
+    try:
+        value = _evaluate(ast.parse(expression.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError) as err:
+        return f"Error: {err}"
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        value = int(value)
+    return str(value)
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        value = _evaluate(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise ValueError(f"exponents above {MAX_EXPONENT} are not allowed")
+        return _OPERATORS[type(node.op)](left, right)
+    raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
 
 
 def python(code: str) -> str:
