@@ -21,7 +21,8 @@ AGENT = [
 
 @pytest.mark.parametrize("mode", ["colocated", "decoupled"])
 def test_an_agent_run_trains_and_records_its_episodes(make_run, mode):
-    run = make_run(f"agent_{mode}", f"pipeline.mode={mode}", "training.max_steps=2", *AGENT)
+    evals = ["eval.steps=2", "eval.num_examples=2", "eval.split=train"]
+    run = make_run(f"agent_{mode}", f"pipeline.mode={mode}", "training.max_steps=2", *AGENT, *evals)
     proc = run.start("grpo", log="grpo")
     assert run.wait(proc, "grpo") == 0, run.log("grpo")[-3000:]
     rows = run.rows()
@@ -31,6 +32,9 @@ def test_an_agent_run_trains_and_records_its_episodes(make_run, mode):
         assert r["episodes_truncated"] >= 0 and r["tool_errors"] >= 0
         assert r["reward_turns"] <= -1  # the messages reached the reward: at least one assistant turn
         assert r["reward_notes_written"] == 0 and r["reward_Notebook"] == 0  # nothing written: no calls
+    # the held-out evaluation runs episodes too (before training; decoupled: made by the sampler)
+    evaluated = [r for r in rows if "eval_tool_calls_mean_initial" in r or "eval_tool_calls_mean" in r]
+    assert evaluated, [sorted(k for k in r if k.startswith("eval")) for r in rows]
     config = (run.dir / "config.yaml").read_text()
     assert "tiny_agent:add" in config and "Notebook" in config
     samples = sorted((run.dir / "samples").glob("*.jsonl"))

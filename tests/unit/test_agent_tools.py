@@ -270,7 +270,9 @@ def test_a_long_tool_result_is_cut_to_its_token_budget(tiny_model_dir):
 def test_the_calculator_evaluates_arithmetic_and_nothing_else():
     from tandem.tools import calculator
 
-    assert calculator("(12 + 30) * 4") == "168" and calculator("7/2") == "3.5" and calculator("-3 + +4") == "1"
+    assert (
+        calculator("(12 + 30) * 4") == "168" and calculator("7/2") == "3.5" and calculator("-3 + +4") == "1"
+    )
     assert calculator("10 // 3") == "3" and calculator("2**10") == "1024" and calculator("8 / 4") == "2"
     assert "exponents above" in calculator("9**99**99")  # would not finish
     assert calculator("1/0") == "Error: division by zero"

@@ -17,6 +17,7 @@ import torch
 
 from tandem.config import Config
 from tandem.data.prompt_sets import load_examples
+from tandem.sampler.episodes import episode_fields
 from tandem.sampler.rollout import Rollout
 from tandem.types import Group
 
@@ -110,6 +111,9 @@ class Evaluator:
             )
         self.done.add(version)
         fields = eval_fields(groups, self.correct, self.num_samples)
+        # agent runs: how often the policy reaches for its tools on held-out prompts
+        episodes = episode_fields(groups)
+        fields.update({f"eval_{k}": episodes[k] for k in ("turns_mean", "tool_calls_mean") if k in episodes})
         fields["eval_policy_version"] = version
         fields["eval_seconds"] = time.perf_counter() - start
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in fields.items()}
