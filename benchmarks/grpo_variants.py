@@ -86,7 +86,11 @@ def summarize(run_dir: Path, report: Path, steps: int) -> dict:
         "step_seconds_mean": window_mean(rows, "step_seconds", 2, steps),
         # the median resists the minutes when another job shared the machine
         "step_seconds_median": round(statistics.median(step_seconds), 2) if step_seconds else None,
-        "tokens_generated": sum(r.get("tokens_generated", 0) for r in rows),
+        "tokens_generated": sum(r.get("tokens_generated", 0) for r in rows),  # of the groups trained on
+        # dynamic sampling's extra generation: the dropped groups' tokens (generation_overhead x tokens)
+        "tokens_generated_dropped": round(
+            sum((r.get("generation_overhead") or 0) * r.get("tokens_generated", 0) for r in rows)
+        ),
         "groups_filtered": sum(r.get("groups_filtered", 0) or 0 for r in rows),
         "zero_variance_groups": sum(r.get("zero_variance_groups", 0) or 0 for r in rows),
         "held_out_answer_accuracy": held_out.get("answer_accuracy"),
