@@ -76,7 +76,6 @@ class EpisodeRunner:
         check_unique(tools + (environment.tools(probe) if environment is not None else []))
         self.runner = ToolRunner(cfg.tool_timeout_s, cfg.max_tool_workers)
         self.template_has_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
-        self._suffix_cache: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ prompts
 
