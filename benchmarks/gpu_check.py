@@ -8,7 +8,8 @@ It runs the `gpu`-marked tests (tests/gpu: generation, process groups, packed lo
 attention implementation, checkpoint maps, weight snapshots on CUDA) and short acceptance runs of
 the embedded model (nothing is downloaded): GRPO colocated and decoupled on one GPU, in bf16 and
 fp16; DDP, ZeRO-2 and ZeRO-3 groups of one over nccl and over gloo (each with a held-out
-evaluation, eval.*, before training and at step 3); a sampled `tandem eval`. Each run's
+evaluation, eval.*, before training and at step 3); the GRPO variants (GSPO, dynamic sampling);
+agent episodes with a calculator tool, colocated and decoupled; a sampled `tandem eval`. Each run's
 record gives its step seconds, generation tokens/s, `ratio_abs_dev` of its first step (the
 on-policy ratio's distance from 1: sampler and trainer scoring the same tokens), sync seconds and
 peak GPU memory. The results go to benchmarks/results/gpu_check.json (commit it: it is the record
@@ -32,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_check.json"
 CONFIG = "configs/grpo_tiny.yaml"
+AGENT_CONFIG = "configs/agent_calculator_tiny.yaml"
 RUN_TIMEOUT_S = 300  # per check (--timeout)
 
 
@@ -152,6 +155,29 @@ def plan(device: str, model: str | None) -> list[Check]:
         else:
             argv = ["grpo", CONFIG, f"training.device={device}", *overrides]
         checks.append(Check(name, what, argv))
+    # the GRPO variants and agent episodes (multi-turn, a calculator tool) on the same short runs
+    precision = "bf16" if gpu else "no"
+    variants = [
+        "grpo.importance_sampling_level=sequence",
+        "grpo.dynamic_sampling=true",
+        "grpo.mask_truncated_completions=true",
+    ]
+    checks.append(
+        Check(
+            "variants-colocated",
+            "GSPO's sequence ratio, dynamic sampling and truncation masking, colocated",
+            ["grpo", CONFIG, f"training.device={device}", *short_run("colocated", precision), *variants]
+            + model_override,
+        )
+    )
+    for mode in ("colocated", "decoupled"):
+        overrides = short_run(mode, precision) + model_override
+        if mode == "decoupled":
+            where = ["--sampling-devices", "0" if gpu else "cpu", "--training-devices", "0" if gpu else "cpu"]
+            argv = ["launch", AGENT_CONFIG, *where, *overrides]
+        else:
+            argv = ["grpo", AGENT_CONFIG, f"training.device={device}", *overrides]
+        checks.append(Check(f"agent-{mode}", f"agent episodes with the calculator tool, {mode}", argv))
     eval_model = model or "embedded"
     checks.append(
         Check(
@@ -419,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     facts = device_facts(args.device)
 
+    record_lock = threading.Lock()
+
     def record() -> dict:
         """The results so far, rewritten after every check: a session stopped midway keeps them."""
         done = [c for c in checks if c.result]
@@ -432,9 +460,10 @@ def main(argv: list[str] | None = None) -> int:
             "not_run": [c.name for c in checks if not c.result],
             "passed": len(done) == len(checks) and all(c.result["passed"] for c in done),
         }
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(results, indent=2) + "\n")
-        os.replace(tmp, out)
+        with record_lock:  # checks side by side (--jobs) finish in threads of their own
+            tmp = out.with_name(f".{out.name}.tmp")
+            tmp.write_text(json.dumps(results, indent=2) + "\n")
+            os.replace(tmp, out)
         return results
 
     if args.workdir:

@@ -170,7 +170,7 @@ class DataConfig:
     # null = the task's own: rows built from a question (synthetic, GSM8K) get the math prompt, one
     # built-in shot and the "<think>" prefill; a row's own prompt gets none of them
     system_prompt: str | None = None
-    shots: str | None = None  # a .jsonl of {"prompt", "completion"} worked examples, as chat turns
+    shots: str | None = None  # a .jsonl of worked examples (or a built-in set: arithmetic, calculator)
     num_shots: int | None = None  # how many of the shots (null: all of data.shots, 1 built-in)
     prefill: str | None = None  # text the assistant turn starts with (part of the response)
     chat_template: str | None = None  # a Jinja file or template text instead of the tokenizer's
@@ -783,6 +783,10 @@ class AgentConfig:
     def enabled(self) -> bool:
         return bool(self.tools) or self.environment is not None
 
+    def episode_tokens(self, max_new_tokens: int) -> int:
+        """The longest episode after the prompt, with `max_new_tokens` per turn."""
+        return self.max_episode_tokens or max_new_tokens * self.max_turns
+
     def check(self, key: str = "agent") -> None:
         _check(
             self,
@@ -862,6 +866,19 @@ class Config:
         """Prompts per batch of this run's method: PPO's `ppo.prompts_per_step` when set, else (and
         for every other method) `grpo.prompts_per_step`."""
         return self.ppo.prompts_per_step if self._ppo_own_prompts else self.grpo.prompts_per_step
+
+    @property
+    def completion_tokens(self) -> tuple[int, str]:
+        """The longest completion a group may carry and the setting that says so: an agent run's
+        is its whole episode (turns and tool results), else sampling.max_new_tokens."""
+        if not self.agent.enabled:
+            return self.sampling.max_new_tokens, "sampling.max_new_tokens"
+        key = (
+            "agent.max_episode_tokens"
+            if self.agent.max_episode_tokens
+            else "sampling.max_new_tokens x agent.max_turns"
+        )
+        return self.agent.episode_tokens(self.sampling.max_new_tokens), key
 
     @property
     def prompts_per_step_key(self) -> str:

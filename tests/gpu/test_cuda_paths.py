@@ -73,6 +73,27 @@ def test_sampler_logprobs_equal_the_trainers_on_cuda(tiny_model):
         )
 
 
+def test_fused_entropy_on_cuda_equals_the_full_softmax(tiny_model):
+    """The chunked head's entropy (logged as `entropy`) on a GPU, fp32 and bf16 bodies, against the
+    entropy of each completion's whole softmax from a plain forward on the CPU."""
+    vocab = tiny_model.config.vocab_size
+    prompt = _prompts(vocab, (5,))[0]
+    completions = _prompts(vocab, (4, 7, 2))
+    expected = []
+    for completion in completions:
+        with torch.no_grad():
+            logits = tiny_model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+        expected.append(torch.distributions.Categorical(logits=logits.float()).entropy())
+    packed = pack_rows([(prompt, completions)]).to(CUDA)
+    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2)):
+        model = copy.deepcopy(tiny_model).to(CUDA, dtype)
+        with torch.no_grad():
+            _, entropy = packed_logprobs(model, packed, chunk_size=4, return_entropy=True)
+        for k, want in enumerate(expected):
+            torch.testing.assert_close(entropy[k, : len(want)].cpu(), want, rtol=tol, atol=tol)
+            assert torch.all(entropy[k, len(want) :] == 0)
+
+
 def test_fp16_sampling_never_leaves_the_vocabulary(tiny_model):
     model = copy.deepcopy(tiny_model).to(CUDA, torch.float16)
     gen = _generate(model, _prompts(tiny_model.config.vocab_size, (5, 7)))

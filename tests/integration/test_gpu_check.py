@@ -31,13 +31,14 @@ def test_the_plan_names_every_gpu_path():
     names = {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
     assert {"gpu-tests", "colocated-bf16", "colocated-fp16", "decoupled-bf16", "eval-sampled"} <= names
     assert {f"{s}-{b}" for s in ("ddp", "zero2", "zero3") for b in ("nccl", "gloo")} <= names
+    assert {"variants-colocated", "agent-colocated", "agent-decoupled"} <= names
 
 
 @pytest.mark.slow
 def test_a_cpu_self_check_runs_records_and_tabulates(tiny_model_dir, tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--only", "colocated-bf16"]
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--only", "colocated-bf16,agent-colocated"]
         + ["--model", str(tiny_model_dir), "--out", str(out)],
         capture_output=True,
         text=True,
@@ -52,6 +53,8 @@ def test_a_cpu_self_check_runs_records_and_tabulates(tiny_model_dir, tmp_path):
     assert run["generate_tokens_per_second"] > 0 and run["ratio_abs_dev_first_step"] is not None
     assert run["evaluated_initial"]  # the held-out evaluation (eval.*) ran on the device
     assert "colocated-bf16   pass" in proc.stdout
+    agent = results["checks"]["agent-colocated"]  # agent episodes (a calculator tool) on the device
+    assert agent["steps"] == 3 and agent["loss_finite"]
 
 
 def test_zero3_checks_are_fed_by_a_sampler():

@@ -164,3 +164,27 @@ def test_binding_beyond_loopback_without_keys_warns_with_the_fix(bind_host, curv
     assert (warning is not None) == warns
     if warns:
         assert "tandem keygen" in warning and "pipeline.curve" in warning and "pipeline.bind_host" in warning
+
+
+def test_an_agent_runs_limit_is_its_episode_budget():
+    """A multi-turn episode holds several turns and the tool results between them: the trainer of an
+    agent run admits completions up to the episode budget, not sampling.max_new_tokens (the first
+    decoupled agent run on a GPU dropped every group with a tool call for its length)."""
+    from types import SimpleNamespace
+
+    from tandem.config import load_config
+    from tandem.trainer.experience import group_limits
+
+    policy = SimpleNamespace(config=SimpleNamespace(vocab_size=1000, max_position_embeddings=4096))
+    plain = group_limits(load_config(None, ["sampling.max_new_tokens=16"]), policy)
+    assert (plain.max_new_tokens, plain.length_key) == (16, "sampling.max_new_tokens")
+    agent = ["sampling.max_new_tokens=16", "agent.tools=['tiny_agent:add']", "agent.max_turns=3"]
+    limits = group_limits(load_config(None, agent), policy)
+    assert limits.max_new_tokens == 48  # max_new_tokens x max_turns
+    limits = group_limits(load_config(None, [*agent, "agent.max_episode_tokens=40"]), policy)
+    assert (limits.max_new_tokens, limits.length_key) == (40, "agent.max_episode_tokens")
+    limits = dataclasses.replace(limits, num_generations=3)
+    long = [10] * 40
+    assert check_group(with_completion(0, generated_token_ids=long), limits) is None
+    reason, message = check_group(with_completion(0, generated_token_ids=long + [10]), limits)
+    assert reason == "length" and "41 tokens; agent.max_episode_tokens=40" in message

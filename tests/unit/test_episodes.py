@@ -221,3 +221,66 @@ def test_a_row_of_episode_fields():
         "episodes_truncated": 1,
     }
     assert episode_fields([Group("c", "p", "", [1], [], 0)]) == {}
+
+
+def test_a_rollout_with_a_reference_scores_episodes_and_zeroes_tool_tokens(tiny_model_dir, monkeypatch):
+    """The whole sampling side of an agent run (build_rollout: reference model, rewards, wire-ready
+    completions) around a scripted engine: episode 0 calls the tool and answers, episode 1 answers at
+    once. The reference's log-probs are those of a plain forward over the policy tokens, 0 on tool
+    tokens; the built-in rules score the last answer with the prefill only where it is the first turn.
+    (The first GPU run of an agent config died here: an in-place write to an inference tensor.)"""
+    import torch
+
+    from tandem.config import load_config
+    from tandem.models.forward import pack_rows, packed_logprobs
+    from tandem.models.loading import load_tokenizer
+    from tandem.sampler import rollout as rollout_module
+
+    cfg = load_config(
+        None,
+        [
+            f"model.policy={tiny_model_dir}",
+            "agent.tools=['tiny_agent:add']",
+            "grpo.kl_coef=0.04",
+            "sampling.num_generations=2",
+            "training.gradient_accumulation_steps=1",
+            "rewards=[{type: format}, {type: answer}]",
+        ],
+    )
+    tok = load_tokenizer(str(tiny_model_dir))
+    script = Script(
+        tok,
+        [
+            [f"<think> add </think>{CALL}", "<think> 5 </think><answer> 5 </answer>"],
+            [" 6 </think><answer> 6 </answer>"],
+        ],
+    )
+    script.next_order = [0]
+    monkeypatch.setattr(
+        rollout_module,
+        "generate_groups",
+        lambda model, ids, *, num_generations, max_new_tokens, **kw: script(
+            ids, num_generations, max_new_tokens
+        ),
+    )
+    rollout = rollout_module.build_rollout(cfg, None, tok, torch.Generator().manual_seed(0), "cpu")
+    try:
+        (group,) = rollout.run([Example("p0", "2 + 3?", "5")], policy_version=0)
+    finally:
+        rollout.agent.close()
+    called, direct = group.completions
+    assert called.policy_mask is not None and 0 in called.policy_mask and direct.policy_mask is None
+    prompt = group.prefix_token_ids
+    with torch.no_grad():
+        expected = packed_logprobs(
+            rollout.reference, pack_rows([(prompt, [c.generated_token_ids for c in group.completions])])
+        )
+    for k, c in enumerate(group.completions):
+        want = expected[k, : len(c.generated_token_ids)].clone()
+        if c.policy_mask is not None:
+            want[torch.tensor(c.policy_mask) == 0] = 0.0
+        torch.testing.assert_close(c.ref_policy_log_probs, want)
+    # the last answer is scored: the called episode's second turn as written (it has both tags),
+    # the direct one with the prefill in front of its single turn
+    assert called.reward_info == {"format": 1.25, "answer": 1.0}
+    assert direct.reward_info == {"format": 1.25, "answer": -1.0}

@@ -156,6 +156,49 @@ def test_shots_come_from_a_file(tmp_path):
         prompt_style(DataConfig(shots=str(shots)), from_question=False)
 
 
+def test_a_shot_can_be_a_whole_exchange_with_a_tool_call(tmp_path):
+    """A worked example of a tool call for agent runs: {"messages": [user, assistant, tool,
+    assistant]} becomes those chat turns before the question; the built-in sets go by name."""
+    exchange = [
+        {"role": "user", "content": "2 + 3?"},
+        {"role": "assistant", "content": '<tool_call>{"name": "add"}</tool_call>'},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "5"},
+    ]
+    shots = tmp_path / "shots.jsonl"
+    write_jsonl(shots, [{"messages": exchange}, {"prompt": "1+1?", "completion": "2"}])
+    style = prompt_style(DataConfig(shots=str(shots), system_prompt="S"), from_question=True)
+    messages = example_messages(Example("p", "4 + 4?", "8"), style)
+    assert messages == [
+        {"role": "system", "content": "S"},
+        *exchange,
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "4 + 4?"},
+    ]
+    chat = example_messages(Example("p", "", "8", prompt=list(CHAT)), style)
+    assert chat == [
+        CHAT[0],
+        *exchange,
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": "2"},
+        CHAT[1],
+    ]
+    builtin = prompt_style(DataConfig(shots="calculator", num_shots=3), from_question=True)
+    assert all(shot[0]["role"] == "user" and shot[2]["role"] == "tool" for shot in builtin.shots)
+    assert "calculator" in builtin.shots[0][1]["content"]
+    for bad in (
+        exchange[:1],
+        [{"role": "tool", "content": "5"}, *exchange[1:]],
+        [{"role": "user"}, exchange[1]],
+    ):
+        write_jsonl(shots, [{"messages": bad}])
+        with pytest.raises(ValueError, match=r"shots\.jsonl:1: a shot's messages are"):
+            prompt_style(DataConfig(shots=str(shots)), from_question=False)
+    with pytest.raises(ValueError, match="no such file, nor a built-in set .*arithmetic, calculator"):
+        prompt_style(DataConfig(shots="calculater"), from_question=False)
+
+
 @pytest.fixture
 def tiny_tokenizer():
     from tokenizers import Tokenizer, models

@@ -21,11 +21,15 @@ from typing import Any
 from tandem.config import DEFAULT_SYSTEM_PROMPT, DataConfig
 from tandem.data.files import read_jsonl
 
-BUILTIN_SHOTS = Path(__file__).parent / "shots" / "arithmetic.jsonl"
+SHOTS_DIR = Path(__file__).parent / "shots"
+BUILTIN_SHOTS = SHOTS_DIR / "arithmetic.jsonl"
 MATH_PREFILL = "<think>"
 ROLES = ("system", "user", "assistant", "tool")
 
-Shots = tuple[tuple[str, str], ...]  # (user prompt, assistant answer) pairs
+# a shot is a (user prompt, assistant answer) pair, or a whole exchange as chat messages (user, then
+# assistant and tool turns: a worked example of a tool call for agent runs)
+Shot = tuple[str, str] | tuple[dict, ...]
+Shots = tuple[Shot, ...]
 
 
 @dataclass(frozen=True)
@@ -37,20 +41,64 @@ class PromptStyle:
     prefill: str = ""
 
 
-def load_shots(path: str | Path) -> Shots:
-    """Worked examples from a .jsonl file of {"prompt": str, "completion": str} objects."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ValueError(f"shots file {path} does not exist")
-    shots = []
-    for where, row in read_jsonl(path):
-        if not (isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("prompt", "completion"))):
-            raise ValueError(f'{where}: a shot is {{"prompt": "...", "completion": "..."}} (strings)')
-        shots.append((row["prompt"], row["completion"]))
+def builtin_shots() -> list[str]:
+    """The names of the shot sets that ship with tandem (data/shots/NAME.jsonl)."""
+    return sorted(p.stem for p in SHOTS_DIR.glob("*.jsonl"))
+
+
+def shots_path(spec: str | Path) -> Path:
+    """`data.shots`: a .jsonl file, or the name of a built-in set ("arithmetic", "calculator")."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    if str(spec) in builtin_shots():
+        return SHOTS_DIR / f"{spec}.jsonl"
+    raise ValueError(
+        f"data.shots is {str(spec)!r}: no such file, nor a built-in set ({', '.join(builtin_shots())})"
+    )
+
+
+def load_shots(spec: str | Path) -> Shots:
+    """Worked examples from a .jsonl file (or a built-in set's name): each line is
+    {"prompt": str, "completion": str}, or {"messages": [...]} — a user turn followed by assistant and
+    tool turns, to show a tool call and its use."""
+    shots: list[Shot] = []
+    for where, row in read_jsonl(shots_path(spec)):
+        if isinstance(row, dict) and "messages" in row:
+            shots.append(_message_shot(row["messages"], where))
+        elif isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("prompt", "completion")):
+            shots.append((row["prompt"], row["completion"]))
+        else:
+            raise ValueError(
+                f'{where}: a shot is {{"prompt": "...", "completion": "..."}} (strings) or '
+                '{"messages": [{"role": "user", ...}, {"role": "assistant", ...}, ...]}'
+            )
     return tuple(shots)
 
 
-def worked_shots(num_shots: int) -> list[tuple[str, str]]:
+def _message_shot(messages: Any, where: str) -> tuple[dict, ...]:
+    fine = isinstance(messages, list) and len(messages) >= 2
+    fine = fine and all(
+        isinstance(m, dict) and m.get("role") in ROLES[1:] and isinstance(m.get("content"), str)
+        for m in messages
+    )
+    if not (fine and messages[0]["role"] == "user" and messages[-1]["role"] == "assistant"):
+        raise ValueError(
+            f"{where}: a shot's messages are a list of {{role, content}} (roles user, assistant, tool; "
+            "content a string) that starts with a user turn and ends with an assistant turn"
+        )
+    return tuple(dict(m) for m in messages)
+
+
+def shot_turns(shot: Shot) -> list[dict]:
+    """A shot as chat turns."""
+    if shot and isinstance(shot[0], dict):
+        return [dict(m) for m in shot]
+    question, answer = shot
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def worked_shots(num_shots: int) -> list[Shot]:
     """The first `num_shots` built-in arithmetic worked examples (data/shots/arithmetic.jsonl)."""
     shots = load_shots(BUILTIN_SHOTS)
     if not 0 <= num_shots <= len(shots):
@@ -83,14 +131,13 @@ def prompt_style(data: DataConfig, *, from_question: bool) -> PromptStyle:
     return PromptStyle(system, shots[:count], prefill)
 
 
-def build_messages(question: str, system_prompt: str, shots: Shots | list[tuple[str, str]]) -> list[dict]:
-    """Chat messages: system (omitted when `system_prompt` is empty), a user/assistant pair per
-    shot, then the question as the last user turn.
+def build_messages(question: str, system_prompt: str, shots: Shots | list[Shot]) -> list[dict]:
+    """Chat messages: system (omitted when `system_prompt` is empty), each shot's turns, then the
+    question as the last user turn.
     """
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    for shot_question, shot_response in shots:
-        messages.append({"role": "user", "content": shot_question})
-        messages.append({"role": "assistant", "content": shot_response})
+    for shot in shots:
+        messages += shot_turns(shot)
     messages.append({"role": "user", "content": question})
     return messages
 
@@ -104,10 +151,8 @@ def styled_messages(messages: list[dict], style: PromptStyle) -> list[dict]:
     head = list(messages[:lead])
     if not head and style.system_prompt:
         head = [{"role": "system", "content": style.system_prompt}]
-    shot_turns = []
-    for question, answer in style.shots:
-        shot_turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-    return head + shot_turns + list(messages[lead:])
+    turns = [turn for shot in style.shots for turn in shot_turns(shot)]
+    return head + turns + list(messages[lead:])
 
 
 def example_messages(example: Any, style: PromptStyle) -> str | list[dict]:

@@ -29,7 +29,7 @@ class PromptStyle:
     system_prompt: str
     num_shots: int
     prefill: str
-    shots: list[tuple[str, str]] | None = None
+    shots: list | None = None  # data/prompts.py Shot items
 
 
 @dataclass

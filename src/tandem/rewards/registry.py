@@ -33,16 +33,20 @@ from tandem.types import Example
 log = logging.getLogger(__name__)
 
 
+# the built-in rules score `texts`: prefill + generated text (an agent episode's: its last answer,
+# sampler/rollout.py last_answer), never the joined turns of an episode's messages
+
+
 def _answer(batch: RewardBatch) -> list[float]:
-    return answer_rewards(batch.completions, batch.gold_answers())
+    return answer_rewards(batch.texts, batch.gold_answers())
 
 
 def _format(batch: RewardBatch) -> list[float]:
-    return format_rewards(batch.completions)
+    return format_rewards(batch.texts)
 
 
 def _format_partial(batch: RewardBatch) -> list[float]:
-    return format_partial_rewards(batch.completions)
+    return format_partial_rewards(batch.texts)
 
 
 def _overlong(max_length: int, cache: int) -> Callable[[RewardBatch], list[float]]:

@@ -120,7 +120,7 @@ class EpisodeRunner:
         max_new_tokens: int,
     ) -> Episodes:
         G = num_generations
-        budget = self.cfg.max_episode_tokens or max_new_tokens * self.cfg.max_turns
+        budget = self.cfg.episode_tokens(max_new_tokens)
         out = Episodes()
         # one environment per episode; reset with the row; its observation joins the last user message
         environments = None

@@ -159,12 +159,13 @@ class Rollout:
         prompt_ids = [ids for _, ids in prompts for _ in range(self.num_generations)]
         self.engine_gap = self.measure_engine(prompt_ids, gen) if self.engine is not None else None
         ref_logprobs = self.reference_logprobs(prompt_ids, gen.token_ids)
-        if (
-            ref_logprobs is not None and episodes is not None
-        ):  # tool tokens carry log-prob 0, as the sampler's
+        if ref_logprobs is not None and episodes is not None:
+            # tool tokens carry log-prob 0, as the sampler's (out of place: the scores are inference
+            # tensors, which refuse in-place writes outside inference mode)
             for i, mask in enumerate(episodes.policy_masks):
                 if mask is not None:
-                    ref_logprobs[i][torch.tensor(mask) == 0] = 0.0
+                    tool = torch.tensor(mask, device=ref_logprobs[i].device) == 0
+                    ref_logprobs[i] = ref_logprobs[i].masked_fill(tool, 0.0)
         trim_memory()
         timings.reference = time.perf_counter() - t0
 

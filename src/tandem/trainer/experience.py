@@ -394,13 +394,15 @@ class RemoteExperience:
 
 def group_limits(cfg: Config, policy: torch.nn.Module) -> GroupLimits:
     """What a group must respect to be trained on: the policy's vocabulary and context (its HF
-    config), the run's group size and completion length."""
+    config), the run's group size and completion length (an agent run's: its episode budget)."""
     config = policy.config
+    length, key = cfg.completion_tokens
     return GroupLimits(
         vocab_size=int(config.vocab_size),
         num_generations=cfg.sampling.num_generations,
-        max_new_tokens=cfg.sampling.max_new_tokens,
+        max_new_tokens=length,
         max_positions=int(getattr(config, "max_position_embeddings", None) or 2**20),
+        length_key=key,
     )
 
 

@@ -194,7 +194,7 @@ def optimizer_step(
                 kl_coef=gc.kl_coef,
                 loss_agg=gc.loss_agg,
                 normalizer=share.normalizer,
-                max_completion_length=cfg.sampling.max_new_tokens,
+                max_completion_length=cfg.completion_tokens[0],
                 importance_weights=weights,
                 importance_sampling_level=gc.importance_sampling_level,
             )

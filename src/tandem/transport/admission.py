@@ -47,8 +47,9 @@ class GroupLimits:
 
     vocab_size: int
     num_generations: int
-    max_new_tokens: int
+    max_new_tokens: int  # a completion's tokens (an agent run's: a whole episode's)
     max_positions: int
+    length_key: str = "sampling.max_new_tokens"  # the setting behind max_new_tokens, for messages
 
     @property
     def max_text_chars(self) -> int:
@@ -101,9 +102,7 @@ def _check(group: Group, limits: GroupLimits) -> None:
         where = f"completions[{i}]"
         n = len(c.generated_token_ids)
         if n > limits.max_new_tokens:
-            raise Rejected(
-                "length", f"{where} has {n} tokens; sampling.max_new_tokens={limits.max_new_tokens}"
-            )
+            raise Rejected("length", f"{where} has {n} tokens; {limits.length_key}={limits.max_new_tokens}")
         if len(group.prefix_token_ids) + n > limits.max_positions:
             raise Rejected(
                 "length",
