@@ -32,6 +32,63 @@ def max_diff(engine_values, reference: torch.Tensor) -> float:
     return float((torch.tensor(engine_values) - reference).abs().max())
 
 
+def episode_checks(engine, hf, model_dir: str, prompts: list[list[int]], eos: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from tandem.agent.tools import tool_from_callable
+    from tandem.config import AgentConfig
+    from tandem.sampler.episodes import EpisodeRunner
+    from tandem.sampler.generation import Generation
+    from tandem.types import Example
+    from tiny_agent import add
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    call = tokenizer(
+        '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', add_special_tokens=False
+    )["input_ids"] + [eos]
+    generator = torch.Generator().manual_seed(3)
+
+    def turn(ids, g, n):
+        if g > 1:  # the first turn: every episode calls the tool
+            rows = [p for p in ids for _ in range(g)]
+            lps = [hf_logprobs(hf, p, call, TEMPERATURE).tolist() for p in rows]
+            return Generation([list(call) for _ in rows], lps, [True] * len(rows))
+        return engine.generate(
+            ids,
+            num_generations=1,
+            max_new_tokens=n,
+            eos_token_ids=[eos],
+            temperature=TEMPERATURE,
+            generator=generator,
+        )
+
+    runner = EpisodeRunner(
+        AgentConfig(tools=["x:add"], max_turns=2), tokenizer, [tool_from_callable(add)], None
+    )
+    examples = [Example(f"p{i}", "q", "5") for i in range(len(prompts))]
+    try:
+        n = len(call) + 12  # a turn: room for the call, then 12 tokens of the engine's
+        episodes = runner.run(turn, examples, lambda ex: ("", prompts[int(ex.prompt_id[1:])]), 2, n)
+    finally:
+        runner.close()
+    diffs, tool_zero = [], True
+    for e, (ids, lps, mask) in enumerate(zip(episodes.token_ids, episodes.logprobs, episodes.policy_masks)):
+        whole = hf_logprobs(hf, prompts[e // 2], ids, TEMPERATURE)
+        keep = torch.tensor(mask) == 1
+        diffs.append(float((torch.tensor(lps)[keep] - whole[keep]).abs().max()))
+        tool_zero &= all(lp == 0.0 for lp, m in zip(lps, mask) if m == 0)
+    return {
+        "episode_turns": episodes.turns,
+        "episode_tool_calls": episodes.tool_calls,
+        "episode_second_turn_tokens": [
+            len(ids) - mask.index(1, len(call))
+            for ids, mask in zip(episodes.token_ids, episodes.policy_masks)
+        ],
+        "episode_logprob_max_diff": max(diffs),
+        "episode_tool_logprobs_zero": tool_zero,
+    }
+
+
 def main(model_dir: str, out_path: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -90,6 +147,11 @@ def main(model_dir: str, out_path: str) -> None:
     after = engine.logprobs(prompt, completion)
     result["reload_changed_by"] = max_diff(after, torch.tensor(before))
     result["reload_logprob_max_diff"] = max_diff(after, hf_logprobs(hf, prompt, completion, 1.0))
+
+    # agent episodes on the engine (sampler/episodes.py): a first turn that calls a tool (scripted,
+    # with the weights' own log-probs), then the engine continues each episode from its tokens; the
+    # policy tokens' log-probs must be the weights' over the whole episode, tool tokens 0
+    result.update(episode_checks(engine, hf, model_dir, prompts, eos))
 
     # LoRA: adapters on the new weights, with B away from 0 (as after training); the engine gets W + BA
     peft = apply_lora(hf, LoraSpec(enabled=True, r=4, alpha=8.0)).eval()

@@ -776,7 +776,10 @@ class AgentConfig:
     max_episode_tokens: int | None = None
     tool_timeout_s: float = 10.0  # per call; a call past it answers with an error
     max_tool_response_tokens: int = 256  # a tool result is cut to this many tokens
-    tool_call_format: Literal["hermes"] = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    # how tool calls are read: hermes (<tool_call>{"name": ..., "arguments": {...}}</tool_call>),
+    # template (the tokenizer's response_template, transformers' parse_response), auto (template
+    # where the tokenizer has one, else hermes)
+    tool_call_format: Literal["auto", "hermes", "template"] = "auto"
     max_tool_workers: int = 8  # threads for sync tools, shared by a batch's episodes
 
     @property
@@ -956,11 +959,6 @@ def _check_agent(cfg: Config) -> None:
     """What agent runs do not support yet, refused with the reason rather than run half-right."""
     if cfg.method != "grpo":
         raise ConfigError(f"`agent` is set for method {cfg.method}; multi-turn episodes train with GRPO only")
-    if cfg.sampling.backend != "tandem":
-        raise ConfigError(
-            "`agent` is set with sampling.backend=vllm; episodes run on the built-in engine for now: "
-            "set sampling.backend=tandem"
-        )
 
 
 def _check_grpo_only(cfg: Config) -> None:

@@ -70,6 +70,17 @@ def test_a_lora_policy_goes_in_merged(engine_checks):
     assert c["lora_logprob_max_diff"] < FP32_LOGPROB_TOL
 
 
+def test_agent_episodes_continue_on_the_engine_with_the_weights_log_probs(engine_checks):
+    """Each episode's first turn calls a tool; the engine writes the second turn from the episode's
+    own tokens (prompt, call, tool message): those tokens' log-probs are the weights' over the whole
+    episode, and the tool message's are 0 (sampler/episodes.py on sampling.backend=vllm)."""
+    c = engine_checks
+    assert c["episode_turns"] == [2] * 6 and c["episode_tool_calls"] == [1] * 6
+    assert all(n > 0 for n in c["episode_second_turn_tokens"])
+    assert c["episode_logprob_max_diff"] < FP32_LOGPROB_TOL
+    assert c["episode_tool_logprobs_zero"]
+
+
 def vllm_run(tmp_path, model_dir, name: str, *overrides: str) -> Run:
     return Run(tmp_path, model_dir, name, "sampling.backend=vllm", *overrides)
 
@@ -130,22 +141,28 @@ def test_a_restarted_vllm_sampler_rejoins_with_the_latest_weights(tmp_path, vllm
     assert [r["step"] for r in run.rows()] == list(range(1, 13))
 
 
-def test_the_embedded_default_runs_with_the_vllm_sampler(tmp_path):
+@pytest.mark.parametrize("config", ["grpo_tiny", "agent_calculator_tiny"])
+def test_the_embedded_default_runs_with_the_vllm_sampler(tmp_path, config):
     """`tandem grpo configs/grpo_tiny.yaml sampling.backend=vllm`, cut short: the launcher's
-    trainer and vLLM sampler on the real SmolLM2-135M-Instruct."""
+    trainer and vLLM sampler on the real SmolLM2-135M-Instruct; and the calculator agent config,
+    whose episodes (the real model calls the tool) run turn by turn on the engine."""
+    agent = config.startswith("agent")
     cmd = [
         sys.executable,
         "-m",
         "tandem.cli",
         "grpo",
-        "configs/grpo_tiny.yaml",
+        f"configs/{config}.yaml",
         "sampling.backend=vllm",
         f"output_dir={tmp_path}",
         "experiment_name=e2e_vllm",
+        "eval.steps=0",
+        # a cooler policy calls the tool more often (greedy: most episodes)
+        *(["sampling.temperature=0.3", "agent.max_turns=2"] if agent else []),
         "training.max_steps=2",
         "grpo.prompts_per_step=2",
         "sampling.num_generations=4",
-        "sampling.max_new_tokens=16",
+        f"sampling.max_new_tokens={64 if agent else 16}",  # a call takes some 40 tokens
         "training.micro_batch_size=8",
         "training.gradient_accumulation_steps=1",
         "training.save_steps=0",
@@ -160,3 +177,7 @@ def test_the_embedded_default_runs_with_the_vllm_sampler(tmp_path):
     made = [json.loads(x) for x in (run / "samplers" / "s0.jsonl").read_text().splitlines()]
     assert made and all(r["time_weights_engine"] is not None for r in made)
     assert (run / "final" / "model.safetensors").is_file()
+    if agent:
+        assert sum(r["tool_calls_mean"] for r in rows) > 0 and max(r["turns_mean"] for r in rows) > 1
+        # the engine's log-probs against the sampler's copy of the weights, on policy tokens only
+        assert all(r["engine_logprob_diff"] < 1e-3 for r in made if r["engine_logprob_tokens"]), made

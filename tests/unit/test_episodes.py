@@ -95,8 +95,9 @@ def test_an_episode_calls_a_tool_reads_the_result_and_answers(tokenizer):
     finally:
         r.close()
     assert ep.turns == [2, 1] and ep.tool_calls == [1, 0] and ep.finished == [True, True]
+    add_call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
     assert ep.messages[0] == [
-        {"role": "assistant", "content": f"Let me add. {CALL}"},
+        {"role": "assistant", "content": f"Let me add. {CALL}", "tool_calls": [add_call]},
         {"role": "tool", "name": "add", "content": "5"},
         {"role": "assistant", "content": "It is 5."},
     ]
@@ -284,3 +285,91 @@ def test_a_rollout_with_a_reference_scores_episodes_and_zeroes_tool_tokens(tiny_
     # the direct one with the prefill in front of its single turn
     assert called.reward_info == {"format": 1.25, "answer": 1.0}
     assert direct.reward_info == {"format": 1.25, "answer": -1.0}
+
+
+# A Qwen2.5-style template of our own: the tools in a system block it writes itself, tool results
+# wrapped in a user turn (consecutive ones together), ChatML turns otherwise
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n<tools>\\n' }}{%- for t in tools %}{{ t | tojson + '\\n' }}{% endfor %}"
+    "{{ '</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{%- elif m.role != 'system' %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# transformers' declarative response parsing for that format (tokenizer.response_template)
+RESPONSE_TEMPLATE = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "content": {"close": "<|im_end|>"},
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close": "</tool_call>",
+            "content": "json",
+            "repeats": True,
+            "transform": {"type": "function", "function": "{content}"},
+        },
+    },
+}
+
+
+def test_a_template_that_renders_tools_gets_them_and_wraps_their_results(tokenizer):
+    """Qwen2.5's path: the template writes the tools' schemas itself (no system block of ours), and
+    the tool results of one turn become one user turn of <tool_response>s: the suffix appended
+    after the policy's eos is exactly that rendering, then the next assistant header."""
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    r = runner(tokenizer)
+    try:
+        text = r.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"}])
+        assert r.template_has_tools and "# Tools" in text and '"name": "add"' in text
+        assert "You can call tools" not in text  # our block only where the template has no tools
+        two = CALL + CALL.replace('"a": 2', '"a": 4')
+        script = Script(tokenizer, [[two, "It is 5 and 7."]])
+        script.next_order = [0]
+        ep = r.run(script, [Example("p0", "2 + 3?", "5")], prompt_of(tokenizer), 1, 400)
+    finally:
+        r.close()
+    assert ep.tool_calls == [2] and ep.turns == [2]
+    first = tokenizer(two, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    suffix = ep.token_ids[0][len(first) : ep.policy_masks[0].index(1, len(first))]
+    assert tokenizer.decode(suffix) == (
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n7\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize("fmt", ["auto", "template"])
+def test_tool_calls_are_read_with_the_tokenizers_response_template(tokenizer, fmt):
+    """transformers' parse_response where the tokenizer has a response_template: its calls (with
+    arguments cast by the tool's schema: "3" -> 3) run; a turn it cannot read is a bad_json error."""
+    tokenizer.response_template = RESPONSE_TEMPLATE
+    r = runner(tokenizer, tool_call_format=fmt, max_turns=3)
+    try:
+        assert r.use_template_parser
+        cast = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": "3"}}</tool_call>'
+        script = Script(tokenizer, [[cast, "<tool_call>{oops}</tool_call>", "5"]])
+        script.next_order = [0]
+        ep = r.run(script, [Example("p0", "2 + 3?", "5")], prompt_of(tokenizer), 1, 400)
+    finally:
+        r.close()
+    assert ep.tool_calls == [2] and ep.tool_errors[0] == Counter({"bad_json": 1})
+    assert ep.messages[0][1] == {"role": "tool", "name": "add", "content": "5"}
+    assert ep.messages[0][0]["tool_calls"][0]["function"]["arguments"] == {"a": 2, "b": 3}
+    assert "could not be read" in ep.messages[0][3]["content"]
+
+
+def test_the_template_format_needs_a_response_template(tokenizer):
+    with pytest.raises(ValueError, match="no response_template .* set agent.tool_call_format: hermes"):
+        runner(tokenizer, tool_call_format="template")
+    r = runner(tokenizer)  # auto: Hermes where the tokenizer has no response_template
+    r.close()
+    assert not r.use_template_parser

@@ -6,6 +6,9 @@ cannot be read (bad JSON, no name, arguments that are not an object, a block lef
 turn ended) is not dropped silently: it becomes a `CallError` that the episode answers with a tool
 message, as TRL and verl do, so the policy learns from its own malformed calls. Nothing here
 evaluates the model's text.
+
+Where the tokenizer carries a `response_template` (transformers' declarative response parsing), the
+calls can be read with it instead (`agent.tool_call_format`: auto picks it when present).
 """
 
 from __future__ import annotations
@@ -41,12 +44,35 @@ def parse_hermes(text: str) -> list[ToolCall | CallError]:
     tail = text[text.rfind(CLOSE) + len(CLOSE) :] if CLOSE in text else text
     if OPEN in tail:  # the turn ended (eos or the token budget) inside a call
         found.append(CallError("unclosed", f"the tool call was not closed with {CLOSE}"))
-    if len(found) > MAX_CALLS_PER_TURN:
-        extra = len(found) - MAX_CALLS_PER_TURN
-        found = found[:MAX_CALLS_PER_TURN] + [
-            CallError("too_many", f"at most {MAX_CALLS_PER_TURN} tool calls per turn; {extra} more ignored")
-        ]
-    return found
+    return _capped(found)
+
+
+def parse_with_template(
+    tokenizer: Any, text: str, prefix: str, tools: list[dict]
+) -> list[ToolCall | CallError]:
+    """The tool calls of an assistant turn as the tokenizer's own `response_template` reads them
+    (transformers' `parse_response`, given the conversation before the turn and the tools' schemas,
+    which cast the arguments). A turn the template cannot read is one `bad_json` error."""
+    try:
+        message = tokenizer.parse_response(text, prefix=prefix, tools=tools)
+    except Exception as err:  # noqa: BLE001 - any failure to read the turn is the model's to learn from
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return [CallError("bad_json", f"the tool call could not be read ({reason})")]
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    found: list[ToolCall | CallError] = []
+    for call in calls if isinstance(calls, list) else []:
+        function = call.get("function", call) if isinstance(call, dict) else call
+        found.append(_from_object(function))
+    return _capped(found)
+
+
+def _capped(found: list[ToolCall | CallError]) -> list[ToolCall | CallError]:
+    if len(found) <= MAX_CALLS_PER_TURN:
+        return found
+    extra = len(found) - MAX_CALLS_PER_TURN
+    return found[:MAX_CALLS_PER_TURN] + [
+        CallError("too_many", f"at most {MAX_CALLS_PER_TURN} tool calls per turn; {extra} more ignored")
+    ]
 
 
 def _one_call(body: str) -> ToolCall | CallError:
@@ -54,6 +80,10 @@ def _one_call(body: str) -> ToolCall | CallError:
         data = json.loads(body)
     except (json.JSONDecodeError, RecursionError) as err:
         return CallError("bad_json", f"the tool call is not valid JSON ({err})")
+    return _from_object(data)
+
+
+def _from_object(data: Any) -> ToolCall | CallError:
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
         return CallError("bad_call", 'a tool call must be a JSON object {"name": ..., "arguments": {...}}')
     arguments = data.get("arguments", {})

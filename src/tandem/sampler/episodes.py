@@ -8,7 +8,8 @@ tool messages (and the template's turn markers around them) are tokenized and ap
 `policy_mask` 0 and log-prob 0, so the loss never sees them (trainer/batching.py). The text of a turn
 is decoded for parsing and for the rewards, never re-tokenized.
 
-Tool calls are parsed in the Hermes format (`<tool_call>{json}</tool_call>`). Where the chat template
+Tool calls are parsed in the Hermes format (`<tool_call>{json}</tool_call>`), or with the tokenizer's
+own response_template where it has one (`agent.tool_call_format`). Where the chat template
 renders tools itself (it uses a `tools` variable, as Qwen2.5's does), the tools' schemas go through
 it; otherwise a system-prompt block lists them in the same format (SmolLM2's template has no tools).
 """
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tandem.agent.calls import parse_hermes
+from tandem.agent.calls import ToolCall, parse_hermes, parse_with_template
 from tandem.agent.runner import ToolRunner, truncate_text
 from tandem.agent.tools import EnvironmentClass, Tool, check_unique, reset_environment
 from tandem.config import AgentConfig
@@ -76,6 +77,15 @@ class EpisodeRunner:
         check_unique(tools + (environment.tools(probe) if environment is not None else []))
         self.runner = ToolRunner(cfg.tool_timeout_s, cfg.max_tool_workers)
         self.template_has_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
+        has_parser = getattr(tokenizer, "response_template", None) is not None
+        if cfg.tool_call_format == "template" and not has_parser:
+            raise ValueError(
+                "agent.tool_call_format is template but the tokenizer has no response_template to read "
+                "tool calls with; set agent.tool_call_format: hermes (or auto)"
+            )
+        self.use_template_parser = cfg.tool_call_format == "template" or (
+            cfg.tool_call_format == "auto" and has_parser
+        )
 
     # ------------------------------------------------------------------ prompts
 
@@ -178,7 +188,14 @@ class EpisodeRunner:
                     continue
                 if not gen.finished[k]:  # cut at max_new_tokens inside the turn
                     continue
-                found = parse_hermes(text)
+                found = self.parse(text, out.prompt_texts[e // G], tokens[e][: len(tokens[e]) - len(ids)])
+                readable = [
+                    {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in found
+                    if isinstance(c, ToolCall)
+                ]
+                if readable:  # as chat templates and TRL's messages carry them
+                    messages[e][-1]["tool_calls"] = readable
                 if not found or turn == self.cfg.max_turns:
                     finished[e] = True  # an answer (or a call that gets no more turns)
                     continue
@@ -210,6 +227,14 @@ class EpisodeRunner:
         out.finished, out.truncated, out.turns, out.tool_calls = finished, truncated, turns, calls
         out.tool_errors, out.tool_seconds, out.environments = errors, seconds, environments
         return out
+
+    def parse(self, text: str, prompt_text: str, before: list[int]):
+        """The calls of a turn's text: with the tokenizer's response_template (given the conversation
+        before the turn: the prompt and the episode's earlier tokens), or in the Hermes format."""
+        if not self.use_template_parser:
+            return parse_hermes(text)
+        prefix = prompt_text + self.tokenizer.decode(before) if before else prompt_text
+        return parse_with_template(self.tokenizer, text, prefix, self.schemas)
 
     def _toolbox(self, environment: Any | None) -> dict[str, Tool]:
         tools = list(self.tools)

@@ -127,14 +127,22 @@ class Rollout:
         )
         episodes = None
         if self.agent is not None:
-            episodes = self.agent.run(
-                lambda ids, g, n: generate_groups(
+
+            def turn(ids: list[list[int]], g: int, n: int) -> Generation:
+                """One turn of the episodes: G of each prompt (the first), or one continuation each."""
+                settings = {**sampling, "num_generations": g, "max_new_tokens": n}
+                if self.engine is not None:
+                    return self.engine.generate(ids, **settings)
+                return generate_groups(
                     self.policy,
                     ids,
                     pad_token_id=self.tokenizer.pad_token_id,
                     batch_size=self.batch_size,
-                    **{**sampling, "num_generations": g, "max_new_tokens": n},
-                ),
+                    **settings,
+                )
+
+            episodes = self.agent.run(
+                turn,
                 examples,
                 self.prompt,
                 self.num_generations,
@@ -157,7 +165,11 @@ class Rollout:
 
         t0 = time.perf_counter()
         prompt_ids = [ids for _, ids in prompts for _ in range(self.num_generations)]
-        self.engine_gap = self.measure_engine(prompt_ids, gen) if self.engine is not None else None
+        if self.engine is not None:
+            masks = episodes.policy_masks if episodes is not None else None
+            self.engine_gap = self.measure_engine(prompt_ids, gen, masks)
+        else:
+            self.engine_gap = None
         ref_logprobs = self.reference_logprobs(prompt_ids, gen.token_ids)
         if ref_logprobs is not None and episodes is not None:
             # tool tokens carry log-prob 0, as the sampler's (out of place: the scores are inference
@@ -250,19 +262,24 @@ class Rollout:
         ]
 
     @torch.inference_mode()
-    def measure_engine(self, prompt_ids: list[list[int]], gen) -> dict:
+    def measure_engine(self, prompt_ids: list[list[int]], gen, masks: list | None = None) -> dict:
         """How far the engine's log-probs are from a plain forward of the same weights (the sampler's
         copy of the policy, the trainer's forward code) on the first engine_check_groups groups:
         token means of |r| and Schulman's k3 exp(r) - r - 1 (KL(engine || policy) on the engine's
         tokens), r = logp_policy - logp_engine; the trainer logs the same as sampler_logprob_*
-        where it holds the weights that made a batch."""
+        where it holds the weights that made a batch. `masks`: episodes' policy masks (agent runs),
+        whose tool tokens are nobody's samples and stay out of the measure."""
         n = min(self.engine_check_groups, len(prompt_ids) // self.num_generations) * self.num_generations
         if n == 0:
             return {"engine_logprob_diff": None, "engine_logprob_kl": None, "engine_logprob_tokens": 0}
         policy = self._logprobs_of(self.policy, prompt_ids[:n], gen.token_ids[:n])
-        r = torch.cat(
-            [p.double() - torch.tensor(gen.logprobs[i], dtype=torch.float64) for i, p in enumerate(policy)]
-        )
+        gaps = []
+        for i, p in enumerate(policy):
+            gap = p.double() - torch.tensor(gen.logprobs[i], dtype=torch.float64)
+            if masks is not None and masks[i] is not None:
+                gap = gap[torch.tensor(masks[i]) == 1]
+            gaps.append(gap)
+        r = torch.cat(gaps)
         tokens = r.numel()
         return {
             "engine_logprob_diff": float(r.abs().sum()) / tokens if tokens else None,
@@ -381,7 +398,7 @@ def build_rollout(cfg: Config, policy, tokenizer, generator, device, *, sampler_
             dtype=cfg.sampling.dtype,
             device=torch.device(device),
             seed=cfg.seed,
-            max_new_tokens=cfg.sampling.max_new_tokens,
+            max_new_tokens=cfg.completion_tokens[0],  # an agent run's: its prompts grow by turns
             batch_size=cfg.sampling.batch_size,
             num_threads=cfg.sampling.num_threads,
             trust_remote_code=cfg.model.trust_remote_code,
