@@ -162,14 +162,15 @@ def episode_reference(tiny_model_dir, tmp_path_factory):
     "strategy",
     [
         ["training.distributed_strategy=ddp"],
+        ["training.distributed_strategy=deepspeed", "training.zero_stage=2"],
         ["training.distributed_strategy=deepspeed", "training.zero_stage=3"],
     ],
-    ids=["ddp", "zero3"],
+    ids=["ddp", "zero2", "zero3"],
 )
 def test_episodes_with_tool_tokens_two_ranks_equal_one_rank(
     reference, episode_reference, tiny_model_dir, tmp_path, strategy
 ):
-    """Agent groups (a per-token policy mask) on 2 ranks, DDP and ZeRO-3: the same update as one
+    """Agent groups (a per-token policy mask) on 2 ranks, DDP, ZeRO-2 and ZeRO-3: the same update as one
     process, and the masks are in force (the episode run's losses differ from the plain one's)."""
     if "deepspeed" in strategy[0]:
         pytest.importorskip("deepspeed")

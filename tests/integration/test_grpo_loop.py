@@ -79,10 +79,47 @@ def test_three_steps_train_and_write_a_well_formed_record(tiny_model_dir, tmp_pa
     assert [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")] == [2, 3]
 
 
-def test_resume_equals_uninterrupted_bit_for_bit(tiny_model_dir, tmp_path):
-    straight = train_grpo(tiny_config(tiny_model_dir, tmp_path, "straight", "training.max_steps=4"))
+AGENT = (
+    "agent.tools=['tiny_agent:add']",
+    "agent.environment=tiny_agent:Notebook",
+    "agent.max_turns=2",
+    "sampling.max_new_tokens=64",  # room for the scripted call (62 tokens of the tiny tokenizer)
+)
 
-    common = ("training.save_steps=2",)
+
+def force_tool_calls(monkeypatch, tokenizer_dir) -> None:
+    """A random tiny model never writes a tool call: in each group's first turn, its first episode
+    is replaced by a call of `add` (scripted tokens, log-prob -1 each); the rest is sampled."""
+    from transformers import AutoTokenizer
+
+    from tandem.sampler import rollout as rollout_module
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    text = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    call = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    real = rollout_module.generate_groups
+
+    def generate(model, prompts, *, num_generations, max_new_tokens, **kw):
+        gen = real(model, prompts, num_generations=num_generations, max_new_tokens=max_new_tokens, **kw)
+        if num_generations > 1:
+            assert len(call) <= max_new_tokens
+            for i in range(0, len(gen.token_ids), num_generations):
+                gen.token_ids[i], gen.logprobs[i], gen.finished[i] = list(call), [-1.0] * len(call), True
+        return gen
+
+    monkeypatch.setattr(rollout_module, "generate_groups", generate)
+
+
+@pytest.mark.parametrize("variant", ["plain", "agent"])
+def test_resume_equals_uninterrupted_bit_for_bit(tiny_model_dir, tmp_path, variant, monkeypatch):
+    """Also for agent episodes (tool calls and an environment per episode, tool tokens masked):
+    episodes hold nothing across batches, so a resumed agent run is the uninterrupted one."""
+    extra = AGENT if variant == "agent" else ()
+    if variant == "agent":
+        force_tool_calls(monkeypatch, tiny_model_dir)
+    straight = train_grpo(tiny_config(tiny_model_dir, tmp_path, "straight", "training.max_steps=4", *extra))
+
+    common = ("training.save_steps=2", *extra)
     train_grpo(tiny_config(tiny_model_dir, tmp_path, "resumed", "training.max_steps=2", *common))
     # what a trainer killed inside its next save leaves: the restart removes it and resumes from step-2
     leftover = tmp_path / "resumed" / "checkpoints" / ".tmp-step-4-k1ll3d"
@@ -106,6 +143,8 @@ def test_resume_equals_uninterrupted_bit_for_bit(tiny_model_dir, tmp_path):
     rows_a = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     rows_b = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows_b] == [1, 2, 3, 4]
+    if variant == "agent":
+        assert all(r["tool_calls_mean"] > 0 and r["turns_mean"] > 1 for r in rows_a)
     for ra, rb in zip(rows_a, rows_b):
         assert (ra["loss"], ra["reward_mean"], ra["grad_norm"]) == (
             rb["loss"],
