@@ -186,7 +186,7 @@ def test_schema_covers_every_record_field():
 
 def test_header_is_plain_json_without_whole_token_ids():
     header = json.loads(bytes(encode_group(make_group())[0]))
-    assert header["schema"] == SCHEMA_VERSION and header["kind"] == "group"
+    assert header["schema"] == 1 and header["kind"] == "group"  # single-turn: as schema 1 wrote it
     assert "whole_token_ids" not in json.dumps(header)
     assert header["completions"][0]["old_policy_log_probs"] == {"frame": 3, "dtype": "float32", "shape": [5]}
 
@@ -333,7 +333,13 @@ DECODE_ERRORS = [
     ),
     ("deep_nesting", _header_is(_NESTED), "bad_header", "not valid JSON"),
     ("frame0_not_buffer", _header_is(12345), "bad_header", "frame 0 is not a byte buffer"),
-    ("schema_newer", _top("schema", 2), "schema", "schema 2, this build speaks schema 1"),
+    (
+        "schema_newer",
+        _top("schema", SCHEMA_VERSION + 1),
+        "schema",
+        f"schema {SCHEMA_VERSION + 1}, this build speaks schemas 1 to 2",
+    ),
+    ("schema_older", _top("schema", 0), "schema", "schema 0, this build speaks schemas 1 to 2"),
     ("schema_missing", _with_header(lambda h: h.pop("schema")), "schema", "no 'schema' key"),
     ("schema_bool", _top("schema", True), "schema", "schema True"),
     ("schema_float", _top("schema", 1.0), "schema", "schema 1.0"),
@@ -636,7 +642,11 @@ def test_encode_control_rejects(kind, payload, match):
 @pytest.mark.parametrize(
     ("frames", "reason", "match"),
     [
-        ([b'{"schema":2,"kind":"stop","payload":{}}'], "schema", "schema 2, this build speaks schema 1"),
+        (
+            [b'{"schema":3,"kind":"stop","payload":{}}'],
+            "schema",
+            "schema 3, this build speaks schemas 1 to 2",
+        ),
         ([b'{"schema":1,"kind":"stop","payload":{}}', b""], "frames", "1 frame, got 2"),
         ([b'{"schema":1,"kind":"stop","payload":[]}'], "invalid", "payload must be an object"),
         ([b'{"schema":1,"kind":"stop"}'], "invalid", "missing key"),
@@ -783,9 +793,28 @@ def test_an_episodes_policy_mask_travels_and_single_turn_completions_carry_none(
     assert "policy_mask" not in bytes(encode_group(group)[0]).decode()  # single-turn: as before
     n = len(group.completions[1].generated_token_ids)
     group.completions[1].policy_mask = [1, 1, 0, 0] + [1] * (n - 4)
-    back = decode_group(encode_group(group))
+    frames = encode_group(group)
+    assert json.loads(bytes(frames[0]))["schema"] == 2  # a masked group is schema 2
+    back = decode_group(frames)
     assert back.completions[1].policy_mask == group.completions[1].policy_mask
     assert back.completions[0].policy_mask is None and back.completions[2].policy_mask is None
+
+
+def test_a_mask_in_a_schema_1_group_is_refused_and_schema_2_groups_need_no_mask():
+    """Schema 2 is schema 1 plus masks: a version-1 peer would not know a mask, so a version-1 header
+    holding one is refused; a version-2 header without masks decodes (a newer peer's plain group)."""
+    group = make_group()
+    group.completions[0].policy_mask = [1, 0] + [1] * (len(group.completions[0].generated_token_ids) - 2)
+    frames = [bytes(f) for f in encode_group(group)]
+    header = json.loads(frames[0])
+    header["schema"] = 1
+    with pytest.raises(WireError, match="policy_mask in a schema 1 message") as info:
+        decode_group([json.dumps(header).encode(), *frames[1:]])
+    assert info.value.reason == "schema"
+    plain = [bytes(f) for f in encode_group(make_group())]
+    header = json.loads(plain[0])
+    header["schema"] = 2
+    assert decode_group([json.dumps(header).encode(), *plain[1:]]).completions[0].policy_mask is None
 
 
 @pytest.mark.parametrize(

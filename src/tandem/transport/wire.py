@@ -22,6 +22,10 @@ leaves it out and still decodes. A completion's `reward_info` values are numbers
 component does not apply to the sample; a reader that predates null refuses the group, naming the key).
 Control messages (`encode_control`) are a single header frame.
 
+Schema versions: 1, and 2 = 1 plus a completion's optional `policy_mask` (uint8 [n], 1 for the policy's
+tokens, 0 for a tool's: agent episodes). Each message is written with the oldest version that holds it,
+so only masked groups are version 2; a reader takes both and refuses a mask in a version-1 header.
+
 Weights travel on the sync channel as one message per chunk of a flat buffer (`encode_weights_chunk`):
 frame 0 a header {schema, kind: "weights", request, index, count, offset, nbytes, hash, manifest}
 (the manifest, the list of tensors and chunks, rides only in chunk 0), frame 1 the chunk's raw bytes.
@@ -47,7 +51,13 @@ import torch
 
 from tandem.types import GROUP_TIMINGS, Completion, Group, TensorSpec, TrainerStatus, WeightsManifest
 
-SCHEMA_VERSION = 1
+# 2 adds per-token policy masks (agent episodes, `policy_mask`). A message is written with the oldest
+# version that holds it: only a group that carries masks is version 2, so single-turn groups and
+# control messages are exactly as version 1 wrote them and a version-1 peer still reads them; a
+# version-1 peer refuses a masked group by its version rather than train on tool tokens.
+SCHEMA_VERSION = 2
+BASE_SCHEMA_VERSION = 1
+MASK_SCHEMA_VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 2**20
 MAX_METADATA_DEPTH = 32
 # a header describes its arrays: its JSON may be a fixed floor plus a multiple of the array bytes,
@@ -129,8 +139,9 @@ def encode_group(group: Group) -> list[bytes | memoryview]:
         arrays.append(memoryview(array).cast("B"))  # a flat byte view of the same memory
         return {"frame": len(arrays), "dtype": array.dtype.name, "shape": [len(array)]}
 
+    masked = any(c.policy_mask is not None for c in group.completions)
     header = {
-        "schema": SCHEMA_VERSION,
+        "schema": MASK_SCHEMA_VERSION if masked else BASE_SCHEMA_VERSION,
         "kind": "group",
         "group_id": _check_str(group.group_id, "group_id"),
         "prompt_id": _check_str(group.prompt_id, "prompt_id"),
@@ -169,13 +180,13 @@ def encode_group(group: Group) -> list[bytes | memoryview]:
 
 
 def encode_control(kind: str, payload: dict) -> list[bytes]:
-    """A control message ("hello", "stop", ...): one JSON header frame, same schema version."""
+    """A control message ("hello", "stop", ...): one JSON header frame, schema version 1 (unchanged)."""
     if not isinstance(kind, str) or not kind or kind == "group":
         raise WireError(f"control kind must be a non-empty str other than 'group', got {kind!r}")
     if not isinstance(payload, dict):
         raise WireError(f"control payload must be a dict, got {type(payload).__name__}")
     _check_json_safe(payload, "payload")
-    return [_dump_header({"schema": SCHEMA_VERSION, "kind": kind, "payload": payload})]
+    return [_dump_header({"schema": BASE_SCHEMA_VERSION, "kind": kind, "payload": payload})]
 
 
 def _dump_header(header: dict) -> bytes:
@@ -250,6 +261,12 @@ def decode_group(frames: Sequence[Any], *, max_bytes: int = MAX_MESSAGE_BYTES) -
         if not isinstance(c, dict):
             raise WireError(f"completions[{i}] must be an object, got {_type(c)}")
         _check_keys(c, _COMPLETION_KEYS, f"completions[{i}]", optional=_COMPLETION_OPTIONAL_KEYS)
+        if "policy_mask" in c and header["schema"] < MASK_SCHEMA_VERSION:
+            raise WireError(
+                f"completions[{i}] has a policy_mask in a schema {header['schema']} message; masks are "
+                f"schema {MASK_SCHEMA_VERSION}",
+                "schema",
+            )
 
     # every array descriptor in frame order, with the dtype its field requires
     slots = [("prefix_token_ids", header["prefix_token_ids"], "int32")]
@@ -423,10 +440,10 @@ def _check_schema(header: dict, kind: str | None) -> None:
     if "schema" not in header:
         raise WireError(f"header has no 'schema' key; this build speaks schema {SCHEMA_VERSION}", "schema")
     schema = header["schema"]
-    if not _is_int(schema) or schema != SCHEMA_VERSION:
+    if not _is_int(schema) or not BASE_SCHEMA_VERSION <= schema <= SCHEMA_VERSION:
         raise WireError(
-            f"message has schema {_short(schema)}, this build speaks schema {SCHEMA_VERSION}: "
-            "run the same tandem version on the sampler and the trainer",
+            f"message has schema {_short(schema)}, this build speaks schemas {BASE_SCHEMA_VERSION} to "
+            f"{SCHEMA_VERSION}: run the same tandem version on the sampler and the trainer",
             "schema",
         )
     actual = header.get("kind")
@@ -734,7 +751,7 @@ def encode_weights_chunk(
     if len(data) != nbytes:
         raise WireError(f"chunk {index} has {len(data)} bytes, the manifest says {nbytes}")
     header = {
-        "schema": SCHEMA_VERSION,
+        "schema": BASE_SCHEMA_VERSION,
         "kind": "weights",
         "request": request,
         "index": index,
