@@ -69,20 +69,22 @@ def command(name: str, runs: Path, steps: int) -> list[str]:
 
 
 def summarize(run_dir: Path, steps: int) -> dict:
-    """A finished arm's figures from its metrics.jsonl: the held-out evaluation before training
-    (`eval_*_initial`) and after the last step, and the training rows' windows."""
+    """An arm's figures from its metrics.jsonl: the held-out evaluation before training
+    (`eval_*_initial`) and after step `steps` (where the run got there), and the training rows'
+    first and last sixths."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     initial = next((r for r in rows if "eval_accuracy_initial" in r), {})
     final = next((r for r in reversed(rows) if r.get("eval_policy_version") == steps), {})
     rows = [r for r in rows if "step" in r]
-    tenth = max(1, steps // 6)
+    last = rows[-1]["step"] if rows else steps  # a run stopped early: its windows end where it did
+    tenth = max(1, last // 6)
     step_seconds = [r["step_seconds"] for r in rows[1:] if isinstance(r.get("step_seconds"), int | float)]
     entry = {
         "when": time.strftime(
             "%Y-%m-%d %H:%M:%S", time.localtime((run_dir / "metrics.jsonl").stat().st_mtime)
         ),
         "steps": len(rows),
-        "eval_num_examples": final.get("eval_num_examples"),
+        "eval_num_examples": initial.get("eval_num_examples_initial"),
         "step_seconds_median": round(statistics.median(step_seconds), 2) if step_seconds else None,
         "tokens_generated": sum(r.get("tokens_generated", 0) for r in rows),
     }
@@ -91,8 +93,31 @@ def summarize(run_dir: Path, steps: int) -> dict:
         entry[f"held_out_{field}_after"] = final.get(f"eval_{field}")
     for field in ("answer_accuracy", "tool_calls_mean", "turns_mean", "episode_tokens_mean", "tool_errors"):
         entry[f"train_{field}_first"] = window_mean(rows, field, 1, tenth)
-        entry[f"train_{field}_last"] = window_mean(rows, field, steps - tenth + 1, steps)
+        entry[f"train_{field}_last"] = window_mean(rows, field, last - tenth + 1, last)
     return entry
+
+
+def evaluate_model(name: str, model_dir: str, step: int) -> dict:
+    """The run's held-out evaluation (its eval.* settings, greedy, the same problems) of a saved
+    model of arm `name`, e.g. a checkpoint: what the run itself would log at that step."""
+    import torch
+
+    from tandem.config import load_config
+    from tandem.models.loading import load_tokenizer
+    from tandem.sampler.evaluation import Evaluator
+    from tandem.sampler.rollout import build_rollout
+
+    overrides = [*ARMS[name], f"model.policy={model_dir}", "grpo.kl_coef=0", "eval.steps=1"]
+    cfg = load_config(ROOT / CONFIG, overrides)
+    rollout = build_rollout(
+        cfg, None, load_tokenizer(model_dir), torch.Generator().manual_seed(cfg.seed), "cpu"
+    )
+    try:
+        fields = Evaluator(cfg, rollout).run(step)
+    finally:
+        if rollout.agent is not None:
+            rollout.agent.close()
+    return {field: fields.get(f"eval_{field}") for field in EVAL_FIELDS} | {"model": model_dir}
 
 
 def main() -> int:
@@ -101,13 +126,36 @@ def main() -> int:
     parser.add_argument("--runs-dir", default="runs/agent_calculator", help="where the runs go")
     parser.add_argument("--side-by-side", action="store_true", help="both runs at once (own ports)")
     parser.add_argument(
-        "--summarize", action="store_true", help="recompute the entries from finished runs, run nothing"
+        "--summarize", action="store_true", help="recompute the entries from the runs' records, run nothing"
     )
+    parser.add_argument(
+        "--evaluate",
+        metavar="ARM=MODEL_DIR",
+        action="append",
+        default=[],
+        help="evaluate a saved model of an arm (a checkpoint's model/ folder) as the run would, at --at-step",
+    )
+    parser.add_argument("--at-step", type=int, help="the step of the models given to --evaluate")
     add_out_arguments(parser, "agent_calculator")
     args = parser.parse_args()
     runs = ROOT / args.runs_dir
     out = results_file(args, "agent_calculator")
     results = {"config": CONFIG, "arms": {name: {"overrides": ARMS[name]} for name in ARMS}}
+    if out.is_file():  # keep what other sittings measured (checkpoint evaluations, wall-clock)
+        results = json.loads(out.read_text())
+    if args.evaluate:
+        if args.at_step is None:
+            parser.error("--evaluate needs --at-step")
+        for item in args.evaluate:
+            name, _, model_dir = item.partition("=")
+            if name not in ARMS or not model_dir:
+                parser.error(f"--evaluate takes ARM=MODEL_DIR with ARM one of {list(ARMS)}, got {item!r}")
+            measured = evaluate_model(name, model_dir, args.at_step)
+            results["arms"][name].setdefault("held_out_at_step", {})[str(args.at_step)] = measured
+            print(f"[agent_calculator] {name} at step {args.at_step}: {json.dumps(measured)}", flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        return 0
     walls: dict[str, float] = {}
     if not args.summarize:
         start = time.perf_counter()

@@ -145,7 +145,8 @@ def test_a_restarted_vllm_sampler_rejoins_with_the_latest_weights(tmp_path, vllm
 def test_the_embedded_default_runs_with_the_vllm_sampler(tmp_path, config):
     """`tandem grpo configs/grpo_tiny.yaml sampling.backend=vllm`, cut short: the launcher's
     trainer and vLLM sampler on the real SmolLM2-135M-Instruct; and the calculator agent config,
-    whose episodes (the real model calls the tool) run turn by turn on the engine."""
+    whose episodes (the real model calls the tool) run turn by turn on the engine, with a TRL
+    environment class beside the tool."""
     agent = config.startswith("agent")
     cmd = [
         sys.executable,
@@ -158,7 +159,12 @@ def test_the_embedded_default_runs_with_the_vllm_sampler(tmp_path, config):
         "experiment_name=e2e_vllm",
         "eval.steps=0",
         # a cooler policy calls the tool more often (greedy: most episodes)
-        *(["sampling.temperature=0.3", "agent.max_turns=2"] if agent else []),
+        # and a TRL environment_factory class beside the tool (its get_reward is a reward)
+        *(
+            ["sampling.temperature=0.3", "agent.max_turns=2", "agent.environment=tiny_agent:Notebook"]
+            if agent
+            else []
+        ),
         "training.max_steps=2",
         "grpo.prompts_per_step=2",
         "sampling.num_generations=4",
@@ -179,5 +185,6 @@ def test_the_embedded_default_runs_with_the_vllm_sampler(tmp_path, config):
     assert (run / "final" / "model.safetensors").is_file()
     if agent:
         assert sum(r["tool_calls_mean"] for r in rows) > 0 and max(r["turns_mean"] for r in rows) > 1
+        assert all("reward_Notebook" in r for r in rows)
         # the engine's log-probs against the sampler's copy of the weights, on policy tokens only
         assert all(r["engine_logprob_diff"] < 1e-3 for r in made if r["engine_logprob_tokens"]), made
