@@ -21,7 +21,8 @@ from tandem.distributed.runtime import resolve_device, use_device
 from tandem.models.loading import check_model_spec, load_causal_lm, load_tokenizer
 from tandem.preflight import check_dataset, check_device
 from tandem.rewards.registry import RewardSet
-from tandem.sampler.rollout import Rollout
+from tandem.sampler.episodes import episode_fields
+from tandem.sampler.rollout import Rollout, build_agent
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +123,20 @@ def evaluate(
         max_new_tokens=max_new_tokens,
     )
     settings, sources = eval_settings(model, config, **given)
+    # the run's own worked examples and, for an agent run, its tools: the model answers as it trained
+    run_path = run_config_path(model, config)
+    run_cfg = None
+    if run_path is not None:
+        from tandem.config import load_config
+
+        run_cfg = load_config(run_path)
     try:
         examples = load_examples(dataset, split, num_examples, seed, difficulty=settings["difficulty"])
         style = DataConfig(
             system_prompt=settings["system_prompt"],
             num_shots=settings["num_shots"],
             prefill=settings["prefill"],
+            shots=run_cfg.data.shots if run_cfg is not None else None,
         )
         question_style = prompt_style(style, from_question=True)
         row_style = prompt_style(style, from_question=False)
@@ -146,11 +155,22 @@ def evaluate(
     where = resolve_device(device)
     use_device(where)
     policy = load_causal_lm(spec, dtype=dtype, trainable=False, device=where)
+    rewards = RewardSet.from_specs([RewardSpec("answer"), RewardSpec("format")])
+    agent = None
+    if run_cfg is not None and run_cfg.agent.enabled:
+        agent = build_agent(run_cfg, tokenizer, rewards)
+        log.info(
+            "episodes with the run's agent settings: tools %s, environment %s, at most %d turns",
+            run_cfg.agent.tools,
+            run_cfg.agent.environment,
+            run_cfg.agent.max_turns,
+        )
     rollout = Rollout(
         policy=policy,
         reference=None,
         tokenizer=tokenizer,
-        rewards=RewardSet.from_specs([RewardSpec("answer"), RewardSpec("format")]),
+        rewards=rewards,
+        agent=agent,
         question_style=question_style,
         row_style=row_style,
         num_generations=num_samples,
@@ -161,9 +181,14 @@ def evaluate(
         generator=torch.Generator().manual_seed(seed),
     )
     start = time.perf_counter()
-    groups = _generate(rollout, examples, batch_size, num_samples, progress=progress)
+    try:
+        groups = _generate(rollout, examples, batch_size, num_samples, progress=progress)
+    finally:
+        if agent is not None:
+            agent.close()
     seconds = time.perf_counter() - start
     rows = _rows(examples, groups, rollout)
+    episodes = episode_fields(groups)  # agent runs: turns and tool calls per episode
     return {
         "model": model,
         "dataset": dataset,
@@ -175,6 +200,7 @@ def evaluate(
         "answer_accuracy": statistics.fmean(r["correct"] for r in rows),
         "format_accuracy": statistics.fmean(r["formatted"] for r in rows),
         "completion_length_mean": statistics.fmean(r["num_tokens"] for r in rows),
+        **{key: episodes[key] for key in ("turns_mean", "tool_calls_mean", "tool_errors") if key in episodes},
         "seconds": seconds,
         "rows": rows,
     }

@@ -37,6 +37,11 @@ def test_an_agent_run_trains_and_records_its_episodes(make_run, mode):
     assert evaluated, [sorted(k for k in r if k.startswith("eval")) for r in rows]
     config = (run.dir / "config.yaml").read_text()
     assert "tiny_agent:add" in config and "Notebook" in config
+    if mode == "colocated":  # `tandem eval` of the run's model runs episodes with the run's tools too
+        from tandem.evaluate import evaluate
+
+        result = evaluate(model=str(run.dir / "final"), num_examples=2, progress=False)
+        assert result["turns_mean"] >= 1 and result["tool_calls_mean"] >= 0 and result["num_examples"] == 2
     samples = sorted((run.dir / "samples").glob("*.jsonl"))
     if samples:
         first = json.loads(samples[0].read_text().splitlines()[0])
