@@ -1,8 +1,9 @@
 """Agentic RL on the embedded default, measured: the arithmetic problems trained with a calculator
 tool (configs/agent_calculator_tiny.yaml: multi-turn episodes, 3 worked examples that call the tool)
 against the same run without tools (the same worked examples answered in one turn, the same system
-prompt without the tool sentence). Each run's held-out evaluation (200 problems, greedy, before
-training and after the last step) gives answer accuracy, format, the tool-call rate and turns.
+prompt without the tool sentence). The run's own held-out evaluation (200 problems, greedy) before
+training, and the same evaluation of the final model (and of any checkpoint given to --evaluate),
+give answer accuracy, format, the tool-call rate and turns.
 
     python benchmarks/agent_calculator.py --update-results            # both runs, one after the other
     python benchmarks/agent_calculator.py --side-by-side --update-results
@@ -70,11 +71,11 @@ def command(name: str, runs: Path, steps: int) -> list[str]:
 
 def summarize(run_dir: Path, steps: int) -> dict:
     """An arm's figures from its metrics.jsonl: the held-out evaluation before training
-    (`eval_*_initial`) and after step `steps` (where the run got there), and the training rows'
-    first and last sixths."""
+    (`eval_*_initial`) and the training rows' first and last sixths. (A decoupled run does not log
+    the evaluation of its last version: the sampler makes it after the trainer has finished; the
+    final model is evaluated here instead, `evaluate_model`.)"""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     initial = next((r for r in rows if "eval_accuracy_initial" in r), {})
-    final = next((r for r in reversed(rows) if r.get("eval_policy_version") == steps), {})
     rows = [r for r in rows if "step" in r]
     last = rows[-1]["step"] if rows else steps  # a run stopped early: its windows end where it did
     tenth = max(1, last // 6)
@@ -90,7 +91,6 @@ def summarize(run_dir: Path, steps: int) -> dict:
     }
     for field in EVAL_FIELDS:
         entry[f"held_out_{field}_before"] = initial.get(f"eval_{field}_initial")
-        entry[f"held_out_{field}_after"] = final.get(f"eval_{field}")
     for field in ("answer_accuracy", "tool_calls_mean", "turns_mean", "episode_tokens_mean", "tool_errors"):
         entry[f"train_{field}_first"] = window_mean(rows, field, 1, tenth)
         entry[f"train_{field}_last"] = window_mean(rows, field, last - tenth + 1, last)
@@ -176,6 +176,10 @@ def main() -> int:
         if name in walls:
             entry["wall_seconds"] = round(walls[name], 1)
             entry["side_by_side"] = args.side_by_side
+            final = runs / f"agent_{name}" / "final"
+            entry.setdefault("held_out_at_step", {})[str(args.steps)] = evaluate_model(
+                name, str(final), args.steps
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
