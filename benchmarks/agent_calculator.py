@@ -91,6 +91,12 @@ def summarize(run_dir: Path, steps: int) -> dict:
     }
     for field in EVAL_FIELDS:
         entry[f"held_out_{field}_before"] = initial.get(f"eval_{field}_initial")
+    calls = [
+        (r["step"], r["tool_calls_mean"]) for r in rows if isinstance(r.get("tool_calls_mean"), int | float)
+    ]
+    if calls:  # how fast the sampled episodes give up the tool
+        entry["train_tool_calls_mean_by_step"] = [round(v, 4) for _, v in calls]
+        entry["first_step_without_tool_calls"] = next((s for s, v in calls if v == 0), None)
     for field in ("answer_accuracy", "tool_calls_mean", "turns_mean", "episode_tokens_mean", "tool_errors"):
         entry[f"train_{field}_first"] = window_mean(rows, field, 1, tenth)
         entry[f"train_{field}_last"] = window_mean(rows, field, last - tenth + 1, last)
